@@ -1,0 +1,23 @@
+# One virtualenv at .venv (git-ignored), created on first use and reinstalled only when the
+# package metadata changes; every target runs XLA on the CPU unless PJRT_DEVICE says otherwise.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export PJRT_DEVICE ?= CPU
+
+.PHONY: quickstart test clean-venv
+
+$(STAMP): setup.cfg pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(PY) examples/quickstart.py --output_dir runs/quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+clean-venv:
+	rm -rf $(VENV)

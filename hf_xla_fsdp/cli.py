@@ -1,0 +1,59 @@
+"""``hf-xla-fsdp`` command line: every subcommand exits non-zero with one clear line on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from . import __version__
+from .plugin import ConfigError, XlaFsdpPlugin
+
+
+def _plugin_from_args(args: argparse.Namespace) -> XlaFsdpPlugin:
+    if args.fsdp_config and args.accelerate_config:
+        raise ConfigError("give either --fsdp_config or --accelerate_config, not both")
+    if args.fsdp_config:
+        return XlaFsdpPlugin.from_fsdp_config(args.fsdp_config)
+    if args.accelerate_config:
+        return XlaFsdpPlugin.from_accelerate_config(args.accelerate_config)
+    return XlaFsdpPlugin()
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print which blocks become FSDP units and the bytes each rank holds, without building anything."""
+    from .planning import plan
+
+    report = plan(args.model, _plugin_from_args(args), world_size=args.world_size)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``hf-xla-fsdp``."""
+    parser = argparse.ArgumentParser(prog="hf-xla-fsdp", description="PyTorch/XLA FSDP for Hugging Face models")
+    parser.add_argument("--version", action="version", version=f"hf_xla_fsdp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="show the FSDP units and per-rank memory of a model (built on meta only)")
+    p.add_argument("model", help="a local model directory or a config.json")
+    p.add_argument("--world_size", "--world-size", type=int, default=1, help="number of ranks to shard over")
+    p.add_argument("--fsdp_config", "--fsdp-config", help="transformers-style fsdp_config JSON")
+    p.add_argument("--accelerate_config", "--accelerate-config", help="accelerate YAML with an fsdp_config: mapping")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``hf-xla-fsdp`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+        print(f"hf-xla-fsdp {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""Meta-device construction, layer by layer.
+
+The model skeleton is built with its parameters on ``meta`` (buffers, which are small and often
+computed by the constructor, stay real). Then each FSDP block is materialized on the host, filled
+(fresh init or its own tensors read from safetensors), wrapped and sharded before the next block
+is touched, so the full model never exists in host or device memory (with ``sharding="zero3"``).
+
+Fresh init reproduces eager construction bit for bit: the skeleton is built while a dispatch mode
+replays every random op aimed at a meta tensor on a scratch CPU tensor of the same shape, so the
+global RNG advances exactly as it would eagerly, and the RNG state is snapshotted before every
+``_init_weights`` call. A block is then initialized by re-running those calls from their
+snapshots. This relies on transformers' own contract (the one ``from_pretrained`` also relies on
+for missing keys): ``_init_weights`` sets every parameter and buffer a module owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .plugin import ConfigError, XlaFsdpPlugin
+
+logger = logging.getLogger(__name__)
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+
+# --------------------------------------------------------------------------- sources
+@dataclass
+class ModelSource:
+    """What to build: a config, and for pretrained weights the safetensors file of every key."""
+
+    config: Any
+    directory: Optional[Path] = None
+    weight_files: dict[str, Path] = field(default_factory=dict)  # state-dict key -> safetensors file
+
+    @property
+    def pretrained(self) -> bool:
+        """True when weights are read from a checkpoint instead of freshly initialized."""
+        return bool(self.weight_files)
+
+
+def safetensors_weight_map(directory: Path) -> dict[str, Path]:
+    """Map every tensor name of a local safetensors checkpoint (single or sharded) to its file."""
+    from safetensors import safe_open
+
+    single, index = directory / SAFE_WEIGHTS_NAME, directory / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ConfigError(f"{index} is not a valid safetensors index (needs a 'weight_map'): {err}") from None
+        out = {}
+        for key, fname in weight_map.items():
+            if not isinstance(fname, str) or Path(fname).name != fname or fname in ("", ".", ".."):
+                raise ConfigError(f"{index} names file {fname!r} for {key!r}: only plain file names in the same directory are allowed")
+            path = directory / fname
+            if not path.is_file():
+                raise ConfigError(f"{index} names {fname} for {key!r}, but that file is missing")
+            out[key] = path
+        return out
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as fh:
+            return {key: single for key in fh.keys()}
+    return {}
+
+
+def resolve_source(source: Any) -> ModelSource:
+    """Accept a ``PretrainedConfig``, a ``config.json`` path, or a local model directory."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(source, PretrainedConfig):
+        return ModelSource(config=source)
+    path = Path(source)
+    if path.is_file() and path.suffix == ".json":
+        return ModelSource(config=AutoConfig.from_pretrained(str(path)))
+    if not path.is_dir():
+        raise ConfigError(f"{source!r} is neither a PretrainedConfig, a config.json file nor a local model directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json; pass a model directory saved with save_pretrained")
+    config = AutoConfig.from_pretrained(str(path))
+    weights = safetensors_weight_map(path)
+    if not weights and any(path.glob("*.bin")):
+        raise ConfigError(f"{path} holds only pickled .bin weights; save it with safe_serialization=True (safetensors)")
+    return ModelSource(config=config, directory=path, weight_files=weights)
+
+
+def model_class(config: Any, model_cls: Any = None) -> Any:
+    """The class to build: ``model_cls`` if given, else ``config.architectures[0]``, else AutoModelForCausalLM."""
+    import transformers
+
+    if model_cls is not None:
+        return model_cls
+    for name in getattr(config, "architectures", None) or ():
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    return transformers.AutoModelForCausalLM
+
+
+def _instantiate(cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
+    from transformers import PreTrainedModel
+
+    if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+        return cls._from_config(config, dtype=dtype)
+    return cls.from_config(config, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- RNG bookkeeping
+class _RngShadow(TorchDispatchMode):
+    """Advance the global CPU RNG for random ops on meta tensors exactly as the eager op would."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is None:
+            leaves = pytree.tree_leaves((args, kwargs))
+            on_meta = any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves) or any(
+                isinstance(x, torch.device) and x.type == "meta" for x in leaves
+            )
+            if on_meta:
+                def to_cpu(x: Any) -> Any:
+                    if isinstance(x, torch.Tensor) and x.is_meta:
+                        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+                    if isinstance(x, torch.device) and x.type == "meta":
+                        return torch.device("cpu")
+                    return x
+
+                cpu_args, cpu_kwargs = pytree.tree_map(to_cpu, (args, kwargs))
+                func(*cpu_args, **cpu_kwargs)
+        return out
+
+
+@dataclass
+class _InitCall:
+    module: nn.Module
+    owner: nn.Module  # the PreTrainedModel whose _init_weights handles `module`
+    rng_state: torch.Tensor
+
+
+@contextlib.contextmanager
+def _record_init_calls(calls: list[_InitCall]) -> Iterator[None]:
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel._initialize_weights
+
+    def recording(self: Any, module: nn.Module, is_custom_code: bool = False) -> None:
+        if not getattr(module, "_is_hf_initialized", False):
+            calls.append(_InitCall(module, self, torch.get_rng_state()))
+        return original(self, module, is_custom_code)
+
+    PreTrainedModel._initialize_weights = recording
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original
+
+
+@contextlib.contextmanager
+def _params_on_meta() -> Iterator[None]:
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        yield
+
+
+# --------------------------------------------------------------------------- skeleton
+@dataclass
+class Skeleton:
+    """A model whose parameters are on ``meta``, plus what is needed to fill them later."""
+
+    model: nn.Module
+    source: ModelSource
+    init_calls: list[_InitCall]
+    final_rng_state: Optional[torch.Tensor]
+    tied_keys: set[str]  # parameters that eager construction replaces by another (e.g. lm_head.weight)
+
+
+def build_skeleton(
+    source: ModelSource, model_cls: Any = None, dtype: torch.dtype = torch.float32, record_init: Optional[bool] = None
+) -> Skeleton:
+    """Construct the model with parameters on ``meta``.
+
+    ``record_init`` (default: when ``source`` has no weights) records what a fresh init needs;
+    it draws as many random numbers as eager construction would, so skip it when only sizing.
+    """
+    cls = model_class(source.config, model_cls)
+    calls: list[_InitCall] = []
+    if record_init is None:
+        record_init = not source.pretrained
+    if not record_init:
+        from transformers.initialization import no_init_weights
+
+        with _params_on_meta(), no_init_weights():
+            model = _instantiate(cls, source.config, dtype)
+        final_state = None
+    else:
+        with _params_on_meta(), _RngShadow(), _record_init_calls(calls):
+            model = _instantiate(cls, source.config, dtype)
+        final_state = torch.get_rng_state()
+        if not calls:
+            raise ConfigError(
+                f"{type(model).__name__} initializes its weights without PreTrainedModel._initialize_weights; "
+                "build it with meta_init=False"
+            )
+    # accelerate's init_empty_weights re-creates a parameter on every assignment, which unties
+    # what tie_weights tied inside the context; tie again now that parameters keep their identity
+    model.tie_weights()
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    return Skeleton(model, source, calls, final_state, tied)
+
+
+# --------------------------------------------------------------------------- materialization
+def _owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
+    """Nearest PreTrainedModel ancestor (or self) of every module, as transformers' smart_apply uses."""
+    from transformers import PreTrainedModel
+
+    owners: dict[nn.Module, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module) -> None:
+        owner = module if isinstance(module, PreTrainedModel) else owner
+        owners[module] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, model)
+    return owners
+
+
+def _materialize_tensors(modules: list[nn.Module], memo: dict[int, torch.Tensor]) -> None:
+    """Replace meta parameters of ``modules`` (non-recursively) by uninitialized CPU tensors.
+
+    ``memo`` keeps a tied parameter (one object under two names) one object after materialization.
+    """
+    for module in modules:
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in memo:
+                memo[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+            module._parameters[name] = memo[id(param)]
+
+
+@contextlib.contextmanager
+def _hidden(module: nn.Module, names: list[str]) -> Iterator[None]:
+    """Point ``module.<names>`` at throwaway meta tensors: eager init wrote there before tying."""
+    saved = {n: module._parameters[n] for n in names}
+    for n, p in saved.items():
+        module._parameters[n] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+class Materializer:
+    """Fills the meta tensors of one part of a skeleton at a time."""
+
+    def __init__(self, skeleton: Skeleton) -> None:
+        from safetensors import safe_open  # noqa: F401  (fail early if missing)
+
+        self.sk = skeleton
+        self.names = {m: n for n, m in skeleton.model.named_modules(remove_duplicate=False)}
+        self.owners = _owners(skeleton.model)
+        self.memo: dict[int, torch.Tensor] = {}
+        self._files: dict[Path, Any] = {}
+        self.missing: list[str] = []
+
+    def _handle(self, path: Path) -> Any:
+        from safetensors import safe_open
+
+        if path not in self._files:
+            self._files[path] = safe_open(str(path), framework="pt")
+        return self._files[path]
+
+    def _tied_here(self, module: nn.Module) -> list[str]:
+        prefix = self.names[module]
+        prefix = f"{prefix}." if prefix else ""
+        return [n for n in module._parameters if f"{prefix}{n}" in self.sk.tied_keys]
+
+    def fill(self, modules: list[nn.Module]) -> None:
+        """Materialize and initialize the direct tensors of ``modules`` (given in post-order)."""
+        _materialize_tensors(modules, self.memo)
+        if self.sk.source.pretrained:
+            self._load(modules)
+        else:
+            self._replay(modules)
+
+    def _replay(self, modules: list[nn.Module]) -> None:
+        from transformers.initialization import guard_torch_init_functions
+
+        wanted = set(modules)
+        with torch.no_grad(), guard_torch_init_functions():
+            for call in self.sk.init_calls:
+                if call.module not in wanted:
+                    continue
+                torch.set_rng_state(call.rng_state)
+                with _hidden(call.module, self._tied_here(call.module)):
+                    call.owner._init_weights(call.module)
+        torch.set_rng_state(self.sk.final_rng_state)
+
+    def _load(self, modules: list[nn.Module]) -> None:
+        from transformers.initialization import guard_torch_init_functions
+
+        weights = self.sk.source.weight_files
+        with torch.no_grad():
+            for module in modules:
+                prefix = self.names[module]
+                prefix = f"{prefix}." if prefix else ""
+                tied = set(self._tied_here(module))
+                tensors = [(n, t) for n, t in module._parameters.items() if t is not None and n not in tied]
+                tensors += [(n, t) for n, t in module._buffers.items()
+                            if t is not None and n not in module._non_persistent_buffers_set]
+                for name, tensor in tensors:
+                    key = f"{prefix}{name}"
+                    if key not in weights:
+                        self.missing.append(key)
+                        continue
+                    stored = self._handle(weights[key]).get_tensor(key)
+                    if stored.shape != tensor.shape:
+                        raise ConfigError(
+                            f"{key} has shape {tuple(stored.shape)} in {weights[key]} but the model expects {tuple(tensor.shape)}"
+                        )
+                    tensor.copy_(stored)
+                    tensor._is_hf_initialized = True
+            # the model's own init fills what the checkpoint lacks (missing keys, non-persistent buffers);
+            # the guard skips every tensor flagged as loaded, exactly as from_pretrained does
+            with guard_torch_init_functions():
+                for module in modules:
+                    self.owners[module]._init_weights(module)
+
+    def close(self) -> None:
+        """Release safetensors handles and report keys the checkpoint did not have."""
+        self._files.clear()
+        if self.missing:
+            logger.warning("keys missing from the checkpoint, freshly initialized: %s", ", ".join(self.missing))
+
+
+def _post_order(module: nn.Module, stop: set[nn.Module]) -> list[nn.Module]:
+    """Modules of the subtree in post-order (children first), not descending into ``stop``."""
+    out: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if child not in stop:
+                visit(child)
+        out.append(m)
+
+    visit(module)
+    return out
+
+
+def build_model(
+    source: Any,
+    plugin: XlaFsdpPlugin,
+    *,
+    model_cls: Any = None,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> nn.Module:
+    """Build ``source`` (config, config.json or local pretrained dir) wrapped with XLA FSDP.
+
+    With ``plugin.meta_init`` (the default) each block is materialized, wrapped and sharded in
+    turn; otherwise the model is built eagerly on the host and then wrapped (the reference path).
+    """
+    from .wrapping import replace_submodule, select_blocks, wrap_block, wrap_model, wrap_root
+
+    src = resolve_source(source)
+    if not plugin.meta_init:
+        return wrap_model(build_eager(src, model_cls=model_cls, dtype=dtype), plugin)
+
+    sk = build_skeleton(src, model_cls=model_cls, dtype=dtype)
+    model = sk.model
+    names = select_blocks(model, plugin)
+    blocks = [model.get_submodule(n) for n in names]
+    done: set[nn.Module] = set()
+    filler = Materializer(sk)
+    from tqdm.auto import tqdm
+
+    nested = plugin.sharding == "zero3"
+    for name, block in tqdm(list(zip(names, blocks)), desc="materialize+shard blocks", disable=not progress, unit="block"):
+        filler.fill(_post_order(block, stop=done))
+        wrapped = wrap_block(block, plugin, nested)
+        replace_submodule(model, name, wrapped)
+        done.add(wrapped)
+        done.add(block)
+    filler.fill(_post_order(model, stop=done))
+    filler.close()
+    return wrap_root(model, plugin)
+
+
+def build_eager(source: Any, model_cls: Any = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The reference path: the whole model built on the host (fresh init or ``from_pretrained``)."""
+    src = source if isinstance(source, ModelSource) else resolve_source(source)
+    cls = model_class(src.config, model_cls)
+    if src.pretrained:
+        return cls.from_pretrained(str(src.directory), config=src.config, dtype=dtype)
+    return _instantiate(cls, src.config, dtype)

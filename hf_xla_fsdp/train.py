@@ -1,0 +1,91 @@
+"""Short, composable training pieces for an FSDP-wrapped model on XLA."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+
+def xla_device() -> torch.device:
+    """The XLA device of this process."""
+    import torch_xla
+
+    return torch_xla.device()
+
+
+def sync() -> None:
+    """Cut the lazy graph here and run it (``xm.mark_step``)."""
+    import torch_xla
+
+    torch_xla.sync()
+
+
+def arithmetic_lm_batches(
+    vocab_size: int, seq_len: int, batch_size: int, seed: int = 0
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless causal-LM batches of arithmetic sequences ``(a + i*d) mod V``.
+
+    Learnable (the next token follows from the two before it), so a falling loss means the
+    model really trains; generated, so no download is needed.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    positions = torch.arange(seq_len)
+    while True:
+        start = torch.randint(0, vocab_size, (batch_size, 1), generator=gen)
+        step = torch.randint(1, 8, (batch_size, 1), generator=gen)
+        ids = (start + step * positions) % vocab_size
+        yield {"input_ids": ids, "labels": ids.clone()}
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move every tensor of a batch to ``device``."""
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def train_step(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: Optional[float] = 1.0,
+    scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None,
+) -> torch.Tensor:
+    """One optimizer step; returns the loss (an XLA tensor: read it with ``.item()`` sparingly).
+
+    FSDP has already reduce-scattered the gradients in backward, so the step is a plain
+    ``optimizer.step()`` and never ``xm.optimizer_step`` (which would all-reduce them again).
+    """
+    loss = model(**batch).loss
+    loss.backward()
+    if max_grad_norm:
+        clip = getattr(model, "clip_grad_norm_", None)  # FSDP's own: the norm spans every shard
+        if clip is not None:
+            clip(max_grad_norm)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync()
+    return loss
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: torch.device) -> float:
+    """Mean loss of ``model`` over ``batches``."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for batch in batches:
+        losses.append(model(**to_device(batch, device)).loss)
+    sync()
+    model.train(was_training)
+    return float(torch.stack([l.cpu() for l in losses]).mean())
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)``, capped to stay finite for an untrained model."""
+    return math.exp(min(loss, 50.0))
