@@ -27,7 +27,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max_train_steps", type=int, default=60)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=32)
-    p.add_argument("--learning_rate", type=float, default=3e-3)
+    p.add_argument("--learning_rate", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 

@@ -125,8 +125,10 @@ def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside the outer FSDP unit (``model.module``) or ``model`` itself."""
+    """The user's module inside an FSDP unit (and its parameter-flattening wrapper), or ``model``."""
+    from torch_xla.distributed.fsdp.xla_flatten_params_wrapper import XlaFlattenParamsWrapper
+
     cls = fsdp_class()
-    while isinstance(model, cls):
+    while isinstance(model, (cls, XlaFlattenParamsWrapper)):
         model = model.module
     return model

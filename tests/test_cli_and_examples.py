@@ -1,0 +1,47 @@
+"""The real commands, run as a user runs them: the console script and the quick-start job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run(*cmd, cwd=ROOT, timeout=600):
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_reports_units_and_bytes_per_rank():
+    res = run(BIN / "hf-xla-fsdp", "plan", ROOT / "examples/configs/tiny_llama.json", "--world-size", "4",
+              "--fsdp-config", ROOT / "examples/xla_fsdp_config.json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["num_units"] == 5 and report["world_size"] == 4
+    assert [u["unit"] for u in report["units"]][:4] == [f"model.layers.{i}" for i in range(4)]
+    total = report["total_bytes"]
+    assert total / 4 <= report["bytes_per_rank"] < total / 4 + 4 * 128 * 4 * 20  # padding to 128 per rank
+
+
+def test_cli_bad_config_is_one_line_and_nonzero(tmp_path):
+    bad = tmp_path / "fsdp.json"
+    bad.write_text(json.dumps({"xla": True, "sharding": "zero9"}))
+    res = run(BIN / "hf-xla-fsdp", "plan", ROOT / "examples/configs/tiny_llama.json", "--fsdp-config", bad)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sharding='zero9' is not valid" in lines[0]
+    res = run(BIN / "hf-xla-fsdp", "plan", tmp_path / "nowhere")
+    assert res.returncode == 2 and "neither a PretrainedConfig" in res.stderr
+
+
+def test_quickstart_trains_and_lowers_the_loss(tmp_path):
+    res = run(sys.executable, "examples/quickstart.py", "--output_dir", tmp_path, "--max_train_steps", "30")
+    assert res.returncode == 0, res.stdout + res.stderr
+    results = json.loads((tmp_path / "quickstart_results.json").read_text())
+    assert results["eval_loss_after"] < results["eval_loss_before"] - 0.5
+    assert results["plugin"]["activation_checkpointing"] and results["plugin"]["compute_dtype"] == "bfloat16"

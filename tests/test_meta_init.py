@@ -1,0 +1,147 @@
+"""Layer-by-layer meta construction equals eager construction: fresh init (same seed, same
+weights and RNG state afterwards) and pretrained safetensors (single file and sharded index)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from conftest import consolidate, tiny_bert, tiny_gpt2, tiny_llama
+from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
+
+from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
+from hf_xla_fsdp import meta_init, wrapping
+from hf_xla_fsdp.meta_init import build_eager
+from hf_xla_fsdp.wrapping import unwrap
+
+CASES = [(tiny_llama, LlamaForCausalLM), (tiny_gpt2, GPT2LMHeadModel), (tiny_bert, BertForMaskedLM),
+         (lambda: tiny_llama(tie_word_embeddings=True), LlamaForCausalLM)]
+
+
+def _eager_state(config, cls, seed=0):
+    torch.manual_seed(seed)
+    model = build_eager(config, model_cls=cls)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return model, state, torch.get_rng_state()
+
+
+def _attr(model, key):
+    """``model.a.b.c`` for ``key="a.b.c"`` (FSDP units forward attributes to the module they wrap)."""
+    return functools.reduce(getattr, key.split("."), model)
+
+
+def _assert_equal_to_eager(got: dict, eager_model, eager_state):
+    # torch_xla keeps a tied weight once: the consolidated dict lacks the tied copy's name
+    tied = set(getattr(eager_model, "all_tied_weights_keys", {}) or {})
+    persistent = {k for k in eager_state if k not in tied}
+    assert persistent <= set(got), sorted(persistent - set(got))
+    for key in persistent:
+        assert torch.equal(got[key], eager_state[key]), key
+
+
+@pytest.mark.parametrize("make,cls", CASES)
+def test_fresh_meta_init_equals_eager(make, cls):
+    config = make()
+    eager, state, eager_rng = _eager_state(config, cls)
+    torch.manual_seed(0)
+    model = XlaFsdpPlugin().build(config, model_cls=cls, progress=False)
+    # the RNG continues exactly where eager construction leaves it (dropout etc. stay reproducible)
+    assert torch.equal(torch.get_rng_state(), eager_rng)
+    _assert_equal_to_eager(consolidate(model), eager, state)
+    inner = unwrap(model)
+    for key, value in eager.named_buffers():  # non-persistent buffers too (rotary inv_freq, position_ids)
+        assert torch.equal(_attr(inner, key).cpu(), value), key
+
+
+def test_tied_weights_stay_tied(gpt2_config):
+    model = XlaFsdpPlugin().build(gpt2_config, model_cls=GPT2LMHeadModel, progress=False)
+    inner = unwrap(model)
+    assert inner.lm_head.weight is inner.transformer.wte.weight
+
+
+def test_emulated_ranks_shard_and_reassemble(llama_config):
+    eager, state, _ = _eager_state(llama_config, LlamaForCausalLM)
+    world = 3
+    ranks = []
+    for rank in range(world):
+        torch.manual_seed(0)
+        plugin = XlaFsdpPlugin(sharding_groups=[list(range(world))], sharding_rank=rank, sharding_world_size=world)
+        ranks.append(plugin.build(llama_config, progress=False))
+    assert ranks[0].get_shard_metadata()["world_size"] == world
+    shard = dict(ranks[1].named_parameters())
+    key = next(k for k in shard if "q_proj" in k)
+    assert shard[key].numel() * world >= llama_config.hidden_size ** 2 > shard[key].numel()
+    _assert_equal_to_eager(consolidate(ranks), eager, state)
+
+
+def test_blocks_are_materialized_one_at_a_time(llama_config, monkeypatch):
+    seen = []
+    real = wrapping.wrap_block
+
+    def spy(block, plugin, nested):
+        model_meta = sum(p.is_meta for p in spy.model.parameters())
+        block_meta = sum(p.is_meta for p in block.parameters())
+        seen.append((block_meta, model_meta))
+        return real(block, plugin, nested)
+
+    real_skeleton = meta_init.build_skeleton
+
+    def capture(*a, **kw):
+        sk = real_skeleton(*a, **kw)
+        spy.model = sk.model
+        return sk
+
+    monkeypatch.setattr(wrapping, "wrap_block", spy)
+    monkeypatch.setattr(meta_init, "build_skeleton", capture)
+    XlaFsdpPlugin().build(llama_config, progress=False)
+    per_block = 9  # q,k,v,o,gate,up,down + two norms
+    assert [b for b, _ in seen] == [0, 0, 0]  # the block being wrapped is fully materialized...
+    # ...while every later block and the root (embeddings, norm, lm_head: 3 tensors) are still on meta
+    assert [m for _, m in seen] == [2 * per_block + 3, per_block + 3, 3]
+
+
+def _save(model, path, max_shard_size):
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+
+
+@pytest.mark.parametrize("make,cls", CASES)
+@pytest.mark.parametrize("max_shard_size", ["10GB", "40KB"])
+def test_pretrained_meta_load_is_bit_exact(tmp_path, make, cls, max_shard_size):
+    torch.manual_seed(3)
+    source = build_eager(make(), model_cls=cls)
+    with torch.no_grad():  # weights no fresh init would give
+        for p in source.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    _save(source, tmp_path, max_shard_size)
+    sharded = (tmp_path / "model.safetensors.index.json").exists()
+    assert sharded == (max_shard_size == "40KB")
+    model = XlaFsdpPlugin().build(tmp_path, progress=False)
+    assert type(unwrap(model)) is cls
+    _assert_equal_to_eager(consolidate(model), source, source.state_dict())
+    for key, value in source.named_buffers():
+        assert torch.equal(_attr(unwrap(model), key).cpu(), value), key
+
+
+def test_pretrained_errors(tmp_path, llama_config):
+    with pytest.raises(ConfigError, match="neither a PretrainedConfig"):
+        XlaFsdpPlugin().build(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        XlaFsdpPlugin().build(tmp_path)
+    llama_config.save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="only pickled .bin weights"):
+        XlaFsdpPlugin().build(tmp_path)
+    (tmp_path / "pytorch_model.bin").unlink()
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "../x.safetensors"}}))
+    with pytest.raises(ConfigError, match="only plain file names"):
+        XlaFsdpPlugin().build(tmp_path)
+
+
+def test_meta_init_false_is_the_eager_reference(llama_config):
+    torch.manual_seed(0)
+    a = consolidate(XlaFsdpPlugin(meta_init=False).build(llama_config, progress=False))
+    torch.manual_seed(0)
+    b = consolidate(XlaFsdpPlugin().build(llama_config, progress=False))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

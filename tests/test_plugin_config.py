@@ -1,0 +1,128 @@
+"""Every configuration path of XlaFsdpPlugin, and every error it must name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
+
+
+def test_defaults_are_nested_zero3_fp32():
+    p = XlaFsdpPlugin()
+    assert p.sharding == "zero3" and p.version == 1 and p.meta_init
+    assert p.compute_dtype is None and not p.activation_checkpointing
+    kwargs = p.fsdp_kwargs()
+    assert "sharding_groups" not in kwargs and kwargs["reshard_after_forward"] is True
+
+
+@pytest.mark.parametrize("value,expected", [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                            ("torch.float16", torch.float16), ("fp32", torch.float32),
+                                            (torch.bfloat16, torch.bfloat16)])
+def test_dtype_strings(value, expected):
+    assert XlaFsdpPlugin(compute_dtype=value, buffer_dtype=value).compute_dtype is expected
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(sharding="zero1"), "sharding='zero1' is not valid; allowed values: 'zero3'"),
+        (dict(compute_dtype="int8"), "compute_dtype='int8' is not a valid dtype; use one of"),
+        (dict(buffer_dtype="fp8"), "buffer_dtype='fp8' is not a valid dtype"),
+        (dict(flatten_parameters="maybe"), "flatten_parameters='maybe' must be a boolean"),
+        (dict(min_num_params=-1), "min_num_params=-1 must be an integer >= 0"),
+        (dict(min_num_params="lots"), "min_num_params='lots' must be an integer"),
+        (dict(version=2), "version=2 (FSDP v2 / SPMD, xla_fsdp_v2) is not available"),
+        (dict(version=3), "version=3 is not valid; allowed values: 1"),
+        (dict(transformer_layer_cls_to_wrap=[1, 2]), "transformer_layer_cls_to_wrap=[1, 2] must be a class name"),
+        (dict(sharding_rank=0), "must be given together"),
+        (dict(sharding_groups=[[0, 1]], sharding_rank=2, sharding_world_size=2), "sharding_rank=2 must be below"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, needle):
+    with pytest.raises(ConfigError) as err:
+        XlaFsdpPlugin(**kwargs)
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_sharding_strategy_aliases():
+    assert XlaFsdpPlugin(sharding="FULL_SHARD").sharding == "zero3"
+    assert XlaFsdpPlugin(sharding="SHARD_GRAD_OP").sharding == "zero2"
+
+
+def test_transformers_fsdp_config_dict_with_prefixes():
+    cfg = {
+        "xla": True,
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+        "xla_fsdp_grad_ckpt": True,
+        "fsdp_min_num_params": 0,
+        "xla_fsdp_settings": {"compute_dtype": "bfloat16", "buffer_dtype": "bfloat16", "flatten_parameters": True,
+                              "shard_param_on_dim_0": True, "fp32_reduce_scatter": True},
+    }
+    p = XlaFsdpPlugin.from_fsdp_config(cfg)
+    assert p.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
+    assert p.activation_checkpointing and p.flatten_parameters and p.shard_param_on_dim_0 and p.fp32_reduce_scatter
+    assert p.compute_dtype is torch.bfloat16 and p.buffer_dtype is torch.bfloat16
+
+
+def test_fsdp_config_json_file_and_round_trip(tmp_path):
+    path = tmp_path / "fsdp.json"
+    path.write_text(json.dumps({"xla": True, "sharding": "zero2", "xla_fsdp_settings": {"compute_dtype": "bf16"}}))
+    p = XlaFsdpPlugin.from_fsdp_config(str(path))
+    assert p.sharding == "zero2" and p.compute_dtype is torch.bfloat16
+    assert XlaFsdpPlugin.from_dict(p.to_dict()) == p
+    json.dumps(p.to_dict())  # serialisable
+
+
+@pytest.mark.parametrize(
+    "cfg,needle",
+    [
+        ({"xla": True, "backward_prefetch": "BACKWARD_PRE"}, "unknown key 'backward_prefetch' in fsdp_config"),
+        ({"xla": True, "xla_fsdp_settings": {"bogus": 1}}, "unknown key xla_fsdp_settings.bogus"),
+        ({"xla": False}, "set xla to true"),
+        ({"xla_fsdp_v2": True}, "version=2"),
+        ({"xla_fsdp_settings": [1]}, "xla_fsdp_settings in fsdp_config must be a mapping"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
+def test_fsdp_config_errors(cfg, needle):
+    with pytest.raises(ConfigError, match=None) as err:
+        XlaFsdpPlugin.from_fsdp_config(cfg)
+    assert needle in str(err.value)
+
+
+def test_fsdp_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        XlaFsdpPlugin.from_fsdp_config(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="is not valid JSON"):
+        XlaFsdpPlugin.from_fsdp_config(str(bad))
+
+
+def test_accelerate_yaml(tmp_path):
+    path = tmp_path / "acc.yaml"
+    path.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: XLA\nmain_training_function: main\n"
+        "fsdp_config:\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer,LlamaRMSNorm\n"
+        "  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_activation_checkpointing: true\n"
+        "  compute_dtype: bf16\n"
+    )
+    p = XlaFsdpPlugin.from_accelerate_config(path)
+    assert p.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer", "LlamaRMSNorm"]
+    assert p.sharding == "zero2" and p.activation_checkpointing and p.compute_dtype is torch.bfloat16
+
+
+def test_accelerate_yaml_errors(tmp_path):
+    path = tmp_path / "acc.yaml"
+    path.write_text("distributed_type: XLA\nfsdp_config:\n  fsdp_offload_params: true\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'fsdp_offload_params' in fsdp_config in .*acc.yaml"):
+        XlaFsdpPlugin.from_accelerate_config(path)
+    path.write_text("fsdp_config: [a, b]\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        XlaFsdpPlugin.from_accelerate_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        XlaFsdpPlugin.from_accelerate_config(tmp_path / "nope.yaml")
