@@ -30,6 +30,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    """Consolidate FSDP rank files into a from_pretrained-ready safetensors directory."""
+    from .consolidate import consolidate
+
+    summary = consolidate(
+        args.ckpt, args.output, ckpt_suffix=args.ckpt_suffix, config=args.config, dtype=args.dtype,
+        max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hf-xla-fsdp``."""
     parser = argparse.ArgumentParser(prog="hf-xla-fsdp", description="PyTorch/XLA FSDP for Hugging Face models")
@@ -42,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp_config", "--fsdp-config", help="transformers-style fsdp_config JSON")
     p.add_argument("--accelerate_config", "--accelerate-config", help="accelerate YAML with an fsdp_config: mapping")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("consolidate", help="merge FSDP rank files into a sharded safetensors model (streaming)")
+    p.add_argument("ckpt", help="an hf_xla_fsdp checkpoint dir, a Trainer checkpoint dir, or a torch_xla file prefix")
+    p.add_argument("--output", "-o", required=True, help="directory to write (must not exist, unless --overwrite)")
+    p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None,
+                   help="glob after the prefix for torch_xla-style files (default *.pth), as consolidate_sharded_ckpts")
+    p.add_argument("--config", default=None, help="model dir or config.json, when the rank files carry no config")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-shard-size", "--max_shard_size", default="5GB")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_consolidate)
     return parser
 
 
@@ -50,7 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError) as err:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"hf-xla-fsdp {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,62 @@
+"""Write-then-rename helpers: a file or directory becomes visible only when it is complete."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Persist the entries of directory ``path`` (the renames into it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, fsync'd, then renamed over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file written by a library that does not fsync (e.g. safetensors' save_file)."""
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def prepare_output(output: Path, overwrite: bool) -> Path:
+    """Refuse an existing non-empty ``output`` unless ``overwrite``; return a new staging directory beside it."""
+    if output.exists() and not output.is_dir():
+        raise FileExistsError(f"output {output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise FileExistsError(f"output directory {output} already exists and is not empty; pass --overwrite to replace it")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    stage = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    return stage
+
+
+def publish(stage: Path, output: Path) -> None:
+    """Make the complete directory ``stage`` visible as ``output``; an old ``output`` goes only at the end."""
+    fsync_dir(stage)
+    old = None
+    if output.exists():
+        old = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(output, old)
+    os.replace(stage, output)
+    fsync_dir(output.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

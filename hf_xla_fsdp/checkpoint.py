@@ -1,0 +1,306 @@
+"""Sharded rank checkpoints for saving and exact resuming (FSDP v1).
+
+Each rank writes its own ``rank-RRRRR-of-WWWWW.safetensors`` (model shard, optimizer state, CPU RNG)
+and ``.json`` (shard metadata, optimizer groups, scheduler, RNG, step, model config, plugin, extras)
+into a hidden staging directory; when every rank is done, rank 0 writes ``checkpoint_complete.json``
+and renames the staging directory into place. A directory without the marker is never loaded.
+Resuming reads only the calling rank's file, or, when the world size changed, only the rows of
+each saved shard that the new shard covers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from .atomic import fsync_file, publish, write_bytes_atomic
+from .rank_files import (
+    COMPLETE_MARKER, FORMAT, MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, RankFile, SafetensorsRankFile,
+    _structure, encode_shard_metadata, gather_rows, open_checkpoint, rank_file_stem, read_marker,
+)
+
+RNG_CPU = "rng/torch_cpu"
+
+
+def staging_dir(ckpt_dir: Path) -> Path:
+    """Where ranks write before the checkpoint is complete (same name on every rank, no coordination)."""
+    return ckpt_dir.parent / f".{ckpt_dir.name}.partial"
+
+
+def _rank_world(model: nn.Module) -> tuple[int, int]:
+    md = model.get_shard_metadata()
+    return int(md["rank"]), int(md["world_size"])
+
+
+def _multi_process() -> bool:
+    import torch_xla.runtime as xr
+
+    return xr.world_size() > 1
+
+
+def _default_barrier(tag: str) -> None:
+    if _multi_process():
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous(tag)
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError:
+        raise CheckpointError("the optimizer holds parameters that are not the FSDP model's; "
+                              "create the optimizer after wrapping, from model.parameters()") from None
+
+
+def _rng_meta() -> dict[str, Any]:
+    import numpy as np
+    import torch_xla.core.xla_model as xm
+
+    np_state = np.random.get_state()
+    return {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "xla": int(xm.get_rng_state()),
+    }
+
+
+def _restore_rng(meta: dict[str, Any], cpu_state: Optional[torch.Tensor]) -> None:
+    import numpy as np
+    import torch_xla.core.xla_model as xm
+
+    rng = meta.get("rng") or {}
+    if "python" in rng:
+        v, state, gauss = rng["python"]
+        random.setstate((v, tuple(state), gauss))
+    if "numpy" in rng:
+        name, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "xla" in rng:
+        xm.set_rng_state(rng["xla"])
+    if cpu_state is not None:
+        torch.set_rng_state(cpu_state)
+
+
+def write_rank_file(
+    ckpt_dir: Union[str, Path],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Any = None,
+    *,
+    step: int = 0,
+    run_id: Optional[str] = None,
+    plugin: Any = None,
+    extra: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write the calling rank's files into the staging directory of ``ckpt_dir``; returns the tensor file."""
+    from safetensors.torch import save_file
+
+    from .train import sync
+    from .wrapping import unwrap
+
+    ckpt_dir = Path(ckpt_dir)
+    rank, world = _rank_world(model)
+    stage = staging_dir(ckpt_dir)
+    stage.mkdir(parents=True, exist_ok=True)
+    sync()  # pending updates land before reading values
+    tensors: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
+    optim_meta = None
+    if optimizer is not None:
+        state = optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for idx, entries in state["state"].items():
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{OPTIM_PREFIX}{idx}/{name}"] = value
+                else:
+                    scalars.setdefault(str(idx), {})[name] = value
+        optim_meta = {"param_groups": state["param_groups"], "scalar_state": scalars,
+                      "param_names": _param_names(model, optimizer)}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    tensors[RNG_CPU] = torch.get_rng_state()
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    config_dict = None
+    if config is not None:
+        config_dict = config.to_dict()
+        config_dict["architectures"] = [type(inner).__name__]
+    stem = rank_file_stem(rank, world)
+    tensor_path = stage / f"{stem}.safetensors"
+    tmp = stage / f".{stem}.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    fsync_file(tmp)
+    tmp.replace(tensor_path)
+    meta = {
+        "format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
+        "rank": rank, "world_size": world, "run_id": run_id, "step": int(step),
+        "shard_metadata": encode_shard_metadata(model.get_shard_metadata()),
+        "optimizer": optim_meta,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": _rng_meta(), "model_config": config_dict,
+        "plugin": plugin.to_dict() if plugin is not None else None,
+        "extra": extra or {},
+    }
+    try:
+        data = json.dumps(meta, indent=1).encode()
+    except TypeError as err:
+        raise CheckpointError(f"checkpoint metadata is not JSON-serialisable ({err}); keep `extra` and the scheduler state plain") from None
+    write_bytes_atomic(stage / f"{stem}.json", data)
+    return tensor_path
+
+
+def commit_checkpoint(ckpt_dir: Union[str, Path], world_size: int) -> Path:
+    """Rank 0, after every rank wrote its files: write the completion marker and publish the directory."""
+    ckpt_dir = Path(ckpt_dir)
+    stage = staging_dir(ckpt_dir)
+    files, first = {}, None
+    for rank in range(world_size):
+        stem = rank_file_stem(rank, world_size)
+        meta_path, tensor_path = stage / f"{stem}.json", stage / f"{stem}.safetensors"
+        if not meta_path.is_file() or not tensor_path.is_file():
+            raise CheckpointError(f"cannot commit {ckpt_dir}: rank {rank} has not written {stem}.safetensors/.json")
+        meta = json.loads(meta_path.read_text())
+        first = first or meta
+        files[tensor_path.name] = {"file_id": meta["file_id"], "bytes": meta["tensor_file_bytes"]}
+    keep = set(files) | {f"{Path(n).stem}.json" for n in files}
+    for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
+        if stray.name not in keep:
+            stray.unlink() if stray.is_file() else None
+    marker = {"format": FORMAT, "world_size": world_size, "step": first["step"], "run_id": first["run_id"],
+              "files": files}
+    write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+    publish(stage, ckpt_dir)
+    return ckpt_dir
+
+
+def save_checkpoint(
+    ckpt_dir: Union[str, Path],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Any = None,
+    *,
+    step: int = 0,
+    run_id: Optional[str] = None,
+    plugin: Any = None,
+    extra: Optional[dict[str, Any]] = None,
+    barrier: Optional[Callable[[str], None]] = None,
+) -> Path:
+    """Save the calling rank's shard and, once every rank has, publish ``ckpt_dir`` atomically.
+
+    Call it on every rank. ``barrier`` defaults to ``xm.rendezvous`` when several processes run.
+    """
+    barrier = barrier or _default_barrier
+    write_rank_file(ckpt_dir, model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin, extra=extra)
+    barrier("hf_xla_fsdp.save.written")
+    rank, world = _rank_world(model)
+    if rank == 0:
+        commit_checkpoint(ckpt_dir, world)
+    barrier("hf_xla_fsdp.save.committed")
+    return Path(ckpt_dir)
+
+
+# --------------------------------------------------------------------------- loading
+def _same_layout(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same parameters and flattening, whatever the world size."""
+    def names(md: dict[str, Any]) -> Any:
+        return ({m: {n: i["_orig_name"] for n, i in p.items()} for m, p in md["shard_info"].items()},
+                {n: tuple(v[0]) for n, v in md["flatten_info"].items()})
+    return names(a) == names(b)
+
+
+def _read_own(ckpt_dir: Path, marker: dict[str, Any], rank: int, world: int) -> RankFile:
+    name = f"{rank_file_stem(rank, world)}.safetensors"
+    if name not in marker["files"]:
+        raise CheckpointError(f"{ckpt_dir / COMPLETE_MARKER} does not list {name}")
+    f = SafetensorsRankFile(ckpt_dir / name)
+    if f.meta.get("file_id") != marker["files"][name]["file_id"]:
+        raise CheckpointError(f"{name} does not belong to this checkpoint: it was written by a different save or run")
+    return f
+
+
+def load_checkpoint(
+    ckpt_dir: Union[str, Path],
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    scheduler: Any = None,
+    *,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore the calling rank's model shard, optimizer, scheduler and RNG from ``ckpt_dir``.
+
+    A checkpoint saved with another world size is resharded on the fly: each saved file is read
+    only for the rows this rank's shards cover. Returns ``step``, ``extra``, ``run_id``, ``saved_world_size``.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    marker = read_marker(ckpt_dir)
+    saved_world = int(marker["world_size"])
+    rank, world = _rank_world(model)
+    current = model.get_shard_metadata()
+    if saved_world == world:
+        own = _read_own(ckpt_dir, marker, rank, world)
+        if _structure(own.shard_metadata) != _structure(current):
+            raise CheckpointError(f"{ckpt_dir} was saved from a different model or different FSDP settings "
+                                  "(shard layout differs); it cannot be loaded into this model")
+        files, first = None, own
+    else:
+        ranks = open_checkpoint(ckpt_dir)
+        if not _same_layout(ranks.shard_metadata, current):
+            raise CheckpointError(f"{ckpt_dir} was saved from a different model or different FSDP settings "
+                                  "(parameters or flattening differ); it cannot be resharded into this model")
+        files, first = ranks.files, ranks.files[0]
+
+    def read(name: str, like: torch.Tensor) -> torch.Tensor:
+        if files is None:
+            return first.get(name)
+        if like.dim() == 0 or "_fsdp_shard" not in name and name.startswith(MODEL_PREFIX):
+            return first.get(name)  # buffers and scalars are replicated
+        rows = like.shape[0]
+        return gather_rows(files, name, rank * rows, (rank + 1) * rows).view(like.shape)
+
+    model_state = {k: read(MODEL_PREFIX + k, v) for k, v in model.state_dict().items()}
+    model.load_state_dict(model_state)
+    meta = first.meta
+    if optimizer is not None:
+        _load_optimizer(optimizer, model, meta, read, first)
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    if restore_rng:
+        _restore_rng(meta, first.get(RNG_CPU) if RNG_CPU in first.names() else None)
+    return {"step": meta.get("step", 0), "extra": meta.get("extra", {}), "run_id": meta.get("run_id"),
+            "saved_world_size": saved_world}
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, meta: dict[str, Any],
+                    read: Callable[[str, torch.Tensor], torch.Tensor], first: RankFile) -> None:
+    saved = meta.get("optimizer")
+    if not saved:
+        raise CheckpointError("the checkpoint has no optimizer state; load it without an optimizer")
+    names_now = _param_names(model, optimizer)
+    if saved["param_names"] != names_now:
+        raise CheckpointError("the optimizer's parameters (or their groups) differ from the checkpoint's")
+    params = dict(model.named_parameters())
+    flat_names = [n for group in names_now for n in group]
+    by_idx: dict[int, dict[str, Any]] = {}
+    for name in first.names():
+        if name.startswith(OPTIM_PREFIX):
+            idx, key = name[len(OPTIM_PREFIX):].split("/", 1)
+            param = params[flat_names[int(idx)]]
+            like = param if first.shape(name) and len(first.shape(name)) else torch.empty(())
+            by_idx.setdefault(int(idx), {})[key] = read(name, like)
+    for idx, scalars in (saved.get("scalar_state") or {}).items():
+        by_idx.setdefault(int(idx), {}).update(scalars)
+    groups = []
+    for group, current in zip(saved["param_groups"], optimizer.param_groups):
+        group = dict(group)
+        for key, value in current.items():  # JSON turned tuples (e.g. betas) into lists
+            if isinstance(value, tuple) and isinstance(group.get(key), list):
+                group[key] = tuple(group[key])
+        groups.append(group)
+    optimizer.load_state_dict({"state": by_idx, "param_groups": groups})

@@ -1,0 +1,238 @@
+"""Streaming consolidation of FSDP v1 rank files into a ``from_pretrained``-ready safetensors checkpoint.
+
+Every output tensor is assembled from only the rows of each rank file it needs, and the output
+is written one safetensors shard at a time, so peak host memory stays near one output shard no
+matter how large the model. No XLA runtime is needed: torch_xla is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from .atomic import fsync_file, prepare_output, publish, write_bytes_atomic
+from .plugin import ConfigError, parse_dtype
+from .rank_files import MODEL_PREFIX, CheckpointError, RankSet, gather_rows, open_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# files that make a consolidated directory usable as it is (tokenizer, generation settings)
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+              "chat_template.json", "generation_config.json", "preprocessor_config.json")
+_WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_fpw_module.")
+
+
+def clean_name(name: str) -> str:
+    """The user's parameter name inside FSDP wrappers (``_fsdp_wrapped_module.``/``_fpw_module.`` removed)."""
+    for part in _WRAPPER_NAMES:
+        name = name.replace(part, "")
+    return name
+
+
+@dataclass
+class OutputTensor:
+    """One tensor of the consolidated model and where its elements live in the rank files."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    key: str            # FSDP state-dict key in every rank file
+    sharded: bool
+    dim0: bool = False  # sharded along dim 0 (shard_param_on_dim_0) instead of flattened
+    offset: int = 0     # first element inside a flattened (possibly multi-parameter) flat shard
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    def read(self, ranks: RankSet) -> torch.Tensor:
+        """Assemble this tensor from the rank files, reading only what it needs."""
+        files = ranks.files
+        if not self.sharded:
+            return files[0].get(MODEL_PREFIX + self.key).to(self.dtype)
+        if self.dim0:
+            return gather_rows(files, MODEL_PREFIX + self.key, 0, self.shape[0]).to(self.dtype)
+        flat = gather_rows(files, MODEL_PREFIX + self.key, self.offset, self.offset + self.numel)
+        return flat.view(self.shape).to(self.dtype)
+
+
+def plan_outputs(ranks: RankSet) -> list[OutputTensor]:
+    """Every tensor of the full model, in rank 0's order, from the shard metadata alone."""
+    md = ranks.shard_metadata
+    first = ranks.files[0]
+    buffer_info = md.get("buffer_info", {})
+    out: list[OutputTensor] = []
+    for key in first.model_keys():
+        parts = key.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.startswith("_fsdp_shard")), None)
+        if idx is None:  # a buffer: replicated, rank 0's copy, cast back to the dtype it had
+            dtype = buffer_info.get(key, {}).get("_orig_dtype", first.dtype(MODEL_PREFIX + key))
+            out.append(OutputTensor(clean_name(key), first.shape(MODEL_PREFIX + key), dtype, key, sharded=False))
+            continue
+        prefix, suffix = ".".join(parts[:idx]), ".".join(parts[idx:])
+        try:
+            info = md["shard_info"][prefix][suffix]
+        except KeyError:
+            raise CheckpointError(f"{first.path.name}: {key} has no entry in shard_metadata['shard_info']") from None
+        full_name = f"{prefix}.{info['_orig_name']}" if prefix else info["_orig_name"]
+        dtype = first.dtype(MODEL_PREFIX + key)
+        dim0 = len(first.shape(MODEL_PREFIX + key)) > 1
+        if "_fsdp_wrapped_module.flat_param_" in full_name:
+            names, shapes, numels = md["flatten_info"][full_name]
+            base = full_name.rsplit(".", 1)[0]
+            offset = 0
+            for n, shape, numel in zip(names, shapes, numels):
+                out.append(OutputTensor(clean_name(f"{base}.{n}"), tuple(shape), dtype, key, True, False, offset))
+                offset += numel
+        else:
+            out.append(OutputTensor(clean_name(full_name), tuple(info["_orig_size"]), dtype, key, True, dim0))
+    return out
+
+
+# --------------------------------------------------------------------------- config
+def load_config(config: Union[str, os.PathLike, None], ranks: RankSet) -> Any:
+    """The model config: ``config`` (a model dir or config.json) or the one saved in the rank files."""
+    from transformers import AutoConfig
+
+    if config is not None:
+        path = Path(config)
+        if not path.exists():
+            raise ConfigError(f"--config {config} does not exist")
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ConfigError(f"--config {config} is a directory without config.json")
+        try:
+            return AutoConfig.from_pretrained(str(path))
+        except Exception as err:  # transformers raises OSError/ValueError/KeyError variants
+            raise ConfigError(f"--config {config} is not a valid transformers config ({err})".splitlines()[0]) from None
+    saved = ranks.meta.get("model_config")
+    if not saved:
+        raise ConfigError("the rank files carry no model config; pass --config MODEL_DIR_OR_CONFIG_JSON")
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[saved["model_type"]].from_dict(saved)
+
+
+def expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Shapes of the tensors ``from_pretrained`` expects for ``config``, and its tied names."""
+    from .meta_init import model_class
+
+    cls = model_class(config)
+    with torch.device("meta"):  # transformers skips weight init on meta; nothing is allocated
+        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    return shapes, tied
+
+
+def check_against_config(plan: list[OutputTensor], config: Any) -> None:
+    """Refuse a config whose model does not have exactly the checkpoint's tensors."""
+    shapes, tied = expected_tensors(config)
+    have = {t.name: t.shape for t in plan}
+    problems = [f"{n} is in the checkpoint but not in {type(config).__name__}'s model" for n in have if n not in shapes]
+    problems += [f"{n} is missing from the checkpoint" for n in shapes if n not in have and n not in tied]
+    problems += [f"{n} has shape {list(s)} in the checkpoint but {list(shapes[n])} in the config"
+                 for n, s in have.items() if n in shapes and tuple(shapes[n]) != tuple(s)]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ConfigError(f"the config does not match the checkpoint: {'; '.join(problems[:3])}{more}")
+
+
+# --------------------------------------------------------------------------- side files
+def copy_side_files(sources: list[Path], dest: Path) -> list[str]:
+    """Copy tokenizer / generation-config files found in the first of ``sources`` that has each."""
+    copied = []
+    for name in SIDE_FILES:
+        for src in sources:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, dest / name)
+                copied.append(name)
+                break
+    return copied
+
+
+# --------------------------------------------------------------------------- the job
+def consolidate(
+    ckpt: Union[str, os.PathLike],
+    output: Union[str, os.PathLike],
+    *,
+    ckpt_suffix: Optional[str] = None,
+    config: Union[str, os.PathLike, None] = None,
+    dtype: str = "auto",
+    max_shard_size: Union[int, str] = "5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Consolidate the rank files of ``ckpt`` into ``output`` (safetensors, ``from_pretrained``-ready).
+
+    ``ckpt`` is one of our checkpoint directories, a Trainer checkpoint directory, or a torch_xla
+    prefix matched with ``ckpt_suffix``. Validation happens before anything is written, and the
+    output appears only when complete. Returns a summary (files, tensors, bytes).
+    """
+    from huggingface_hub import split_state_dict_into_shards_factory
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    out_dtype = None if dtype == "auto" else parse_dtype(dtype, "dtype")
+    ranks = open_checkpoint(ckpt, ckpt_suffix)
+    plan = plan_outputs(ranks)
+    cfg = load_config(config, ranks)
+    check_against_config(plan, cfg)
+    if out_dtype is not None:
+        for t in plan:
+            if t.dtype.is_floating_point:
+                t.dtype = out_dtype
+    placeholders = {t.name: torch.empty(t.shape, dtype=t.dtype, device="meta") for t in plan}
+    split = split_state_dict_into_shards_factory(
+        placeholders, get_storage_size=lambda t: t.numel() * t.element_size(),
+        filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size,
+    )
+    by_name = {t.name: t for t in plan}
+    output = Path(output)
+    stage = prepare_output(output, overwrite)
+    try:
+        bar = tqdm(total=sum(t.numel * t.dtype.itemsize for t in plan), unit="B", unit_scale=True,
+                   desc="consolidate", disable=not progress)
+        for filename, names in split.filename_to_tensors.items():
+            tensors = {}
+            for name in names:
+                tensors[name] = by_name[name].read(ranks).contiguous()
+                bar.update(tensors[name].numel() * tensors[name].element_size())
+            tmp = stage / (filename + ".tmp")
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            fsync_file(tmp)
+            os.replace(tmp, stage / filename)
+            del tensors
+        bar.close()
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel * t.dtype.itemsize for t in plan)},
+                     "weight_map": split.tensor_to_filename}
+            write_bytes_atomic(stage / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True).encode())
+        float_dtypes = {t.dtype for t in plan if t.dtype.is_floating_point}
+        if len(float_dtypes) == 1:
+            cfg.dtype = float_dtypes.pop()
+        cfg.save_pretrained(str(stage))
+        sources = []
+        if Path(ckpt).is_dir():
+            sources = [Path(ckpt), Path(ckpt).parent]
+        if config is not None:
+            sources.append(Path(config) if Path(config).is_dir() else Path(config).parent)
+        side = copy_side_files(sources, stage)
+        publish(stage, output)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return {
+        "output": str(output), "world_size": ranks.world_size, "tensors": len(plan),
+        "files": sorted(split.filename_to_tensors), "total_bytes": sum(t.numel * t.dtype.itemsize for t in plan),
+        "side_files": side,
+    }
