@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -32,6 +33,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Consolidate FSDP rank files into a from_pretrained-ready safetensors directory."""
+    # consolidation needs no XLA runtime; without this, importing a transformers model class
+    # (to check the config against the checkpoint) imports torch_xla when it is installed
+    os.environ.setdefault("USE_TORCH_XLA", "0")
     from .consolidate import consolidate
 
     summary = consolidate(

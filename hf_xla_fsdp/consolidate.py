@@ -1,8 +1,8 @@
 """Streaming consolidation of FSDP v1 rank files into a ``from_pretrained``-ready safetensors checkpoint.
 
-Every output tensor is assembled from only the rows of each rank file it needs, and the output
-is written one safetensors shard at a time, so peak host memory stays near one output shard no
-matter how large the model. No XLA runtime is needed: torch_xla is never imported here.
+Every output tensor is assembled from only the rows of each rank file it needs and written
+straight into its safetensors shard, so peak host memory stays near one tensor, however large
+the model or the output shards. No XLA runtime is needed: torch_xla is never imported here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .atomic import fsync_file, prepare_output, publish, write_bytes_atomic
+from .atomic import prepare_output, publish, write_bytes_atomic
 from .plugin import ConfigError, parse_dtype
 from .rank_files import MODEL_PREFIX, CheckpointError, RankSet, gather_rows, open_checkpoint
 
@@ -147,6 +147,48 @@ def check_against_config(plan: list[OutputTensor], config: Any) -> None:
         raise ConfigError(f"the config does not match the checkpoint: {'; '.join(problems[:3])}{more}")
 
 
+# --------------------------------------------------------------------------- streaming safetensors writer
+_ST_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                   torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                   torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors_streaming(path: Path, entries: list[OutputTensor], produce: Any,
+                                metadata: dict[str, str], on_tensor: Any = None) -> None:
+    """Write a safetensors file one tensor at a time.
+
+    Every shape and dtype is known before any data is read, so the header is written first and
+    each tensor is produced, written and dropped in turn: memory stays at one tensor however large
+    the file. The layout is the safetensors format (little-endian u64 header size, JSON header
+    padded to 8 bytes, raw little-endian data), read back by ``safe_open`` in the tests.
+    """
+    import struct
+    import sys
+
+    if sys.byteorder != "little":
+        raise RuntimeError("streaming safetensors writing needs a little-endian host")
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for t in entries:
+        nbytes = t.numel * t.dtype.itemsize
+        header[t.name] = {"dtype": _ST_DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(head)))
+        fh.write(head)
+        for t in entries:
+            tensor = produce(t)
+            if tuple(tensor.shape) != tuple(t.shape) or tensor.dtype != t.dtype:
+                raise CheckpointError(f"{t.name}: assembled {tuple(tensor.shape)} {tensor.dtype}, expected {t.shape} {t.dtype}")
+            fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            if on_tensor is not None:
+                on_tensor(t)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 # --------------------------------------------------------------------------- side files
 def copy_side_files(sources: list[Path], dest: Path) -> list[str]:
     """Copy tokenizer / generation-config files found in the first of ``sources`` that has each."""
@@ -179,7 +221,6 @@ def consolidate(
     output appears only when complete. Returns a summary (files, tensors, bytes).
     """
     from huggingface_hub import split_state_dict_into_shards_factory
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     out_dtype = None if dtype == "auto" else parse_dtype(dtype, "dtype")
@@ -203,15 +244,10 @@ def consolidate(
         bar = tqdm(total=sum(t.numel * t.dtype.itemsize for t in plan), unit="B", unit_scale=True,
                    desc="consolidate", disable=not progress)
         for filename, names in split.filename_to_tensors.items():
-            tensors = {}
-            for name in names:
-                tensors[name] = by_name[name].read(ranks).contiguous()
-                bar.update(tensors[name].numel() * tensors[name].element_size())
             tmp = stage / (filename + ".tmp")
-            save_file(tensors, str(tmp), metadata={"format": "pt"})
-            fsync_file(tmp)
+            write_safetensors_streaming(tmp, [by_name[n] for n in names], lambda t: t.read(ranks),
+                                        {"format": "pt"}, lambda t: bar.update(t.numel * t.dtype.itemsize))
             os.replace(tmp, stage / filename)
-            del tensors
         bar.close()
         if split.is_sharded:
             index = {"metadata": {"total_size": sum(t.numel * t.dtype.itemsize for t in plan)},

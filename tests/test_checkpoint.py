@@ -1,0 +1,164 @@
+"""Sharded save / load: exact resume, resharding N -> M, atomicity under SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import consolidate as xla_consolidate
+from conftest import tiny_llama
+from ranks import build_ranks, fake_adam_state, save_ranks
+
+from hf_xla_fsdp.checkpoint import load_checkpoint, staging_dir
+from hf_xla_fsdp.rank_files import COMPLETE_MARKER, CheckpointError, open_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _consolidated_optimizer_state(models, optimizers, key):
+    """The full-size ``key`` (e.g. exp_avg) of every parameter, assembled like parameters."""
+    state_dicts = []
+    for model, opt in zip(models, optimizers):
+        names = {id(v): k for k, v in model.state_dict(keep_vars=True).items()}
+        state_dicts.append({names[id(p)]: opt.state[p][key].cpu() for p in model.parameters()})
+    from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+
+    return consolidate_sharded_state_dicts(state_dicts, models[0].get_shard_metadata())
+
+
+@pytest.mark.parametrize("saved,loaded", [(3, 2), (2, 4), (4, 1)])
+@pytest.mark.parametrize("flatten", [False, True])
+def test_reshard_model_and_optimizer(tmp_path, saved, loaded, flatten):
+    config = tiny_llama()
+    models = build_ranks(config, saved, flatten_parameters=flatten)
+    optimizers = fake_adam_state(models)
+    save_ranks(tmp_path / "ckpt", models, optimizers, step=11)
+    expected_params = xla_consolidate(models)
+    expected_avg = _consolidated_optimizer_state(models, optimizers, "exp_avg")
+
+    new = build_ranks(config, loaded, seed=123, flatten_parameters=flatten)  # different init: must be overwritten
+    new_opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in new]
+    for model, opt in zip(new, new_opts):
+        info = load_checkpoint(tmp_path / "ckpt", model, opt)
+        assert info["step"] == 11 and info["saved_world_size"] == saved
+    got = xla_consolidate(new)
+    assert got.keys() == expected_params.keys()
+    assert all(torch.equal(got[k], expected_params[k]) for k in got)
+    got_avg = _consolidated_optimizer_state(new, new_opts, "exp_avg")
+    assert all(torch.equal(got_avg[k], expected_avg[k]) for k in got_avg)
+    step = next(iter(new_opts[0].state.values()))["step"]
+    assert float(step) == 1.0
+
+
+def test_same_world_reads_only_its_own_file(tmp_path, monkeypatch):
+    config = tiny_llama()
+    models = build_ranks(config, 3)
+    save_ranks(tmp_path / "ckpt", models, fake_adam_state(models), step=2)
+    from hf_xla_fsdp import rank_files
+
+    opened = []
+    real = rank_files.SafetensorsRankFile.__init__
+
+    def spy(self, path):
+        opened.append(Path(path).name)
+        real(self, path)
+
+    monkeypatch.setattr(rank_files.SafetensorsRankFile, "__init__", spy)
+    target = build_ranks(config, 3, seed=5)[1]
+    load_checkpoint(tmp_path / "ckpt", target, torch.optim.AdamW(target.parameters()))
+    assert opened == ["rank-00001-of-00003.safetensors"]
+
+
+def test_loading_into_a_different_model_is_refused(tmp_path):
+    save_ranks(tmp_path / "ckpt", build_ranks(tiny_llama(), 2))
+    other = build_ranks(tiny_llama(hidden_size=32, intermediate_size=64), 2)[0]
+    with pytest.raises(CheckpointError, match="different model or different FSDP settings"):
+        load_checkpoint(tmp_path / "ckpt", other)
+    flat = build_ranks(tiny_llama(), 3, flatten_parameters=True)[0]
+    with pytest.raises(CheckpointError, match="different model or different FSDP settings"):
+        load_checkpoint(tmp_path / "ckpt", flat)
+
+
+def _run_quickstart(out, *extra, timeout=600):
+    cmd = [sys.executable, str(ROOT / "examples/quickstart.py"), "--output_dir", str(out), "--max_train_steps", "20",
+           "--save_steps", "10", "--skip_consolidation", *map(str, extra)]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PJRT_DEVICE="CPU"))
+
+
+def test_resume_after_sigkill_continues_the_same_loss_curve(tmp_path):
+    full = _run_quickstart(tmp_path / "full")
+    assert full.wait(600) == 0, full.stdout.read()
+    reference = json.loads((tmp_path / "full" / "quickstart_results.json").read_text())["losses"]
+
+    # the interrupted run: killed (SIGKILL) right after checkpoint-10 is complete
+    run = _run_quickstart(tmp_path / "killed")
+    marker = tmp_path / "killed" / "checkpoint-10" / COMPLETE_MARKER
+    deadline = time.time() + 600
+    while not marker.exists() and run.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    assert marker.exists()
+    resumed = _run_quickstart(tmp_path / "killed", "--resume_from_checkpoint", tmp_path / "killed" / "checkpoint-10")
+    output = resumed.stdout.read()
+    assert resumed.wait(600) == 0, output
+    assert "resumed from" in output
+    losses = json.loads((tmp_path / "killed" / "quickstart_results.json").read_text())["losses"]
+    for step in range(11, 21):
+        assert losses[str(step)] == reference[str(step)], (step, losses[str(step)], reference[str(step)])
+
+
+CRASH_SAVER = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import tiny_llama
+from ranks import build_ranks, save_ranks
+from pathlib import Path
+root, start = Path(sys.argv[1]), int(sys.argv[2])
+models = build_ranks(tiny_llama(hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=1024), 2)
+i = start
+while True:
+    save_ranks(root / f"checkpoint-{{i}}", models, step=i)
+    print("saved", i, flush=True)
+    i += 1
+"""
+
+
+def test_sigkill_during_save_never_leaves_a_complete_looking_checkpoint(tmp_path):
+    script = tmp_path / "saver.py"
+    script.write_text(CRASH_SAVER.format(tests=str(Path(__file__).parent)))
+    root = tmp_path / "ckpts"
+    import random
+
+    rnd = random.Random(0)
+    next_index = 0
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, str(script), str(root), str(next_index)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
+        line = proc.stdout.readline()  # one save finished: now kill at a random moment of later saves
+        assert line.startswith("saved"), line
+        time.sleep(rnd.uniform(0.0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        visible = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+        next_index = max(int(p.name.split("-")[1]) for p in visible) + 1
+    visible = [p for p in root.iterdir() if not p.name.startswith(".")]
+    assert len(visible) >= 6
+    for ckpt in visible:  # every visible checkpoint is complete and readable to the last byte
+        ranks = open_checkpoint(ckpt)
+        for f in ranks.files:
+            for name in f.names():
+                f.get(name)
+    # the killed saves left only hidden staging directories, which nothing loads
+    for hidden in (p for p in root.iterdir() if p.name.startswith(".")):
+        with pytest.raises(CheckpointError):
+            open_checkpoint(hidden)
+    assert staging_dir(root / "checkpoint-0").name == ".checkpoint-0.partial"
