@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import glob
 import json
+import math
+import os
 import re
+import struct
 from pathlib import Path
 from typing import Any, Optional
 
@@ -128,12 +131,62 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool}
 
 
+class SafetensorsReader:
+    """Reads tensors, or row ranges of them, from a safetensors file with ``pread``.
+
+    ``safe_open`` memory-maps the whole file, and every page it touches counts in the process's
+    RSS until the map closes; consolidation touches every byte of every rank file, so plain
+    reads of exactly the bytes needed keep memory at the tensors being assembled.
+    """
+
+    def __init__(self, path: Path):
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise ValueError("file shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise ValueError(f"header size {n} exceeds the file")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+            if end - begin != math.prod(shape) * dtype.itemsize or end > size - 8 - n:
+                raise ValueError(f"entry {name} lies outside the file or has a wrong size")
+            self.entries[name] = (dtype, shape, 8 + n + begin, 8 + n + end)
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def read(self, name: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        """Tensor ``name``, or only its rows ``start:stop``."""
+        dtype, shape, begin, end = self.entries[name]
+        if start is not None:
+            rows = shape[0]
+            start, stop = max(0, min(start, rows)), max(0, min(stop, rows))
+            row_bytes = math.prod(shape[1:]) * dtype.itemsize
+            begin, end = begin + start * row_bytes, begin + max(stop, start) * row_bytes
+            shape = (max(stop - start, 0), *shape[1:])
+        buf = bytearray(end - begin)
+        if buf and os.preadv(self._fd, [buf], begin) != len(buf):
+            raise ValueError(f"short read of {name}")
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+
 class SafetensorsRankFile(RankFile):
     """Our format: ``rank-*.safetensors`` + ``rank-*.json``."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         meta_path = path.with_suffix(".json")
         try:
             meta = json.loads(meta_path.read_text())
@@ -147,36 +200,32 @@ class SafetensorsRankFile(RankFile):
         if expected_size is not None and path.stat().st_size != expected_size:
             raise CheckpointError(f"{path} is truncated or corrupted: {path.stat().st_size} bytes, {expected_size} expected")
         try:
-            self._fh = safe_open(str(path), framework="pt")
-            self._names = list(self._fh.keys())
-        except Exception as err:  # safetensors raises its own error types for bad headers
+            self._reader = SafetensorsReader(path)
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
         md = decode_shard_metadata(meta["shard_metadata"])
         super().__init__(path, md["rank"], md["world_size"], md, meta)
 
     def names(self) -> list[str]:
-        return self._names
+        return list(self._reader.entries)
 
-    def _fail(self, name: str, err: Exception) -> CheckpointError:
-        return CheckpointError(f"{self.path} is truncated or corrupted: cannot read {name} ({err})")
+    def _read(self, name: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        try:
+            return self._reader.read(name, start, stop)
+        except (ValueError, OSError) as err:
+            raise CheckpointError(f"{self.path} is truncated or corrupted: cannot read {name} ({err})") from None
 
     def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._fh.get_tensor(name)
-        except Exception as err:
-            raise self._fail(name, err) from None
+        return self._read(name)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        try:
-            return self._fh.get_slice(name)[start:stop]
-        except Exception as err:
-            raise self._fail(name, err) from None
+        return self._read(name, start, stop)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._fh.get_slice(name).get_shape())
+        return self._reader.entries[name][1]
 
     def dtype(self, name: str) -> torch.dtype:
-        return _ST_DTYPES[self._fh.get_slice(name).get_dtype()]
+        return self._reader.entries[name][0]
 
 
 class TorchRankFile(RankFile):

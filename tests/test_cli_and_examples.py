@@ -39,9 +39,16 @@ def test_cli_bad_config_is_one_line_and_nonzero(tmp_path):
     assert res.returncode == 2 and "neither a PretrainedConfig" in res.stderr
 
 
-def test_quickstart_trains_and_lowers_the_loss(tmp_path):
-    res = run(sys.executable, "examples/quickstart.py", "--output_dir", tmp_path, "--max_train_steps", "30")
+def test_quickstart_end_to_end(tmp_path):
+    res = run(sys.executable, "examples/quickstart.py", "--output_dir", tmp_path, "--max_train_steps", "60",
+              "--save_steps", "30")
     assert res.returncode == 0, res.stdout + res.stderr
     results = json.loads((tmp_path / "quickstart_results.json").read_text())
-    assert results["eval_loss_after"] < results["eval_loss_before"] - 0.5
+    assert results["eval_loss_final"] < results["eval_loss_start"] - 0.5
     assert results["plugin"]["activation_checkpointing"] and results["plugin"]["compute_dtype"] == "bfloat16"
+    for step in (30, 60):
+        assert (tmp_path / f"checkpoint-{step}" / "checkpoint_complete.json").is_file()
+    assert (tmp_path / "final" / "model.safetensors").is_file() and (tmp_path / "final" / "config.json").is_file()
+    # the from_pretrained copy (fp32 compute) evaluates like the FSDP model (bf16 compute)
+    assert abs(results["consolidated_eval_loss"] - results["eval_loss_final"]) < 0.02
+    assert len(results["generated"]) == 10

@@ -1,0 +1,201 @@
+"""Consolidating the 8 rank files of a 1.2 GB model: ours (streaming) against the reference path
+that transformers' Trainer takes (torch_xla's consolidate_sharded_model_checkpoints, then
+save_pretrained(state_dict=...)), each in its own process, in the same run.
+
+    python benchmarks/consolidate.py [--workdir DIR] [--world-size 8]
+
+Prints JSON: peak RSS and wall time of each path (the work alone, and the whole process with its
+imports), RSS above the bare `import torch` (the CUDA build of torch 2.9.0 maps ~0.5 GB of
+libraries before any work), and whether the outputs are identical.
+Targets (issue 3): our peak <= 0.5 GB + model/8 and >= 5x below the reference; our time <= the reference's.
+Rank files are real torch_xla FSDP state, one process per rank (see XLA_ON_CPU.md), cached in --workdir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from meta_init import MODEL  # noqa: E402  (the same ~325M-parameter Llama)
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def make_rank(workdir: Path, rank: int, world: int) -> None:
+    """Build rank ``rank`` with real torch_xla FSDP and save it in our format and in Trainer's."""
+    import torch
+    from transformers import LlamaConfig
+
+    from hf_xla_fsdp import XlaFsdpPlugin
+    from hf_xla_fsdp.checkpoint import write_rank_file
+
+    torch.manual_seed(0)
+    plugin = XlaFsdpPlugin(sharding_groups=[list(range(world))], sharding_rank=rank, sharding_world_size=world)
+    model = plugin.build(LlamaConfig(**MODEL), progress=False)
+    write_rank_file(workdir / "ours", model, step=0)
+    trainer = workdir / "trainer"
+    trainer.mkdir(exist_ok=True)
+    torch.save({"model": {k: v.cpu() for k, v in model.state_dict().items()},
+                "shard_metadata": model.get_shard_metadata()}, trainer / f"rank{rank}-of-{world}-pytorch_model.bin")
+    if rank == 0:
+        model.module.config.save_pretrained(trainer)
+
+
+def run_ours(source: Path, out: Path, config: Path | None) -> dict:
+    from hf_xla_fsdp.cli import main
+
+    args = ["consolidate", str(source), "-o", str(out), "--quiet"]
+    args += ["--config", str(config)] if config else []
+    start = time.perf_counter()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(args)
+    assert rc == 0
+    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": peak_rss(),
+            "imported_torch_xla": "torch_xla" in sys.modules}
+
+
+def run_reference(trainer_dir: Path, out: Path) -> dict:
+    """What Trainer._save_tpu does on the master after the rank files are written."""
+    import torch
+    from torch_xla.distributed.fsdp import consolidate_sharded_model_checkpoints
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(trainer_dir)
+    with torch.device("meta"):  # Trainer already holds the model; a meta one keeps it out of the figure
+        model = AutoModelForCausalLM.from_config(config)
+    start = time.perf_counter()
+    full_state_dict, _ = consolidate_sharded_model_checkpoints(
+        ckpt_prefix=os.path.join(str(trainer_dir), ""), ckpt_suffix="rank*-of-*-pytorch_model.bin", save_model=False)
+    model.save_pretrained(str(out), state_dict=full_state_dict, safe_serialization=True)
+    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": peak_rss()}
+
+
+def baseline_rss(kind: str) -> tuple[int, int]:
+    """Peak RSS after ``import torch`` alone, and after importing what the path imports, before any work."""
+    import torch  # noqa: F401  (the CUDA build of torch 2.9.0 maps ~0.5 GB of libraries)
+
+    torch_only = peak_rss()
+    if kind == "ours":
+        import hf_xla_fsdp.consolidate  # noqa: F401
+        import transformers  # noqa: F401
+    else:
+        import torch_xla.distributed.fsdp  # noqa: F401
+        import transformers  # noqa: F401
+    return torch_only, peak_rss()
+
+
+def child(args: argparse.Namespace) -> None:
+    work = Path(args.workdir)
+    if args.child == "rank":
+        return make_rank(work, args.rank, args.world_size)
+    torch_rss, base = baseline_rss("reference" if args.child == "reference" else "ours")
+    if args.child == "ours":
+        result = run_ours(work / "ours", work / "out_ours", None)
+    elif args.child == "ours_trainer_files":
+        result = run_ours(work / "trainer", work / "out_ours_trainer", work / "trainer")
+    else:
+        result = run_reference(work / "trainer", work / "out_reference")
+    result["baseline_rss"] = base
+    result["torch_import_rss"] = torch_rss
+    print(json.dumps(result))
+
+
+def compare_outputs(a: Path, b: Path) -> bool:
+    """Tensor-by-tensor equality of two consolidated directories (read lazily)."""
+    import torch
+    from safetensors import safe_open
+
+    def index(d: Path) -> dict[str, Path]:
+        idx = d / "model.safetensors.index.json"
+        if idx.exists():
+            return {k: d / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
+        with safe_open(str(d / "model.safetensors"), "pt") as fh:
+            return {k: d / "model.safetensors" for k in fh.keys()}
+
+    ia, ib = index(a), index(b)
+    if ia.keys() != ib.keys():
+        return False
+    for key in ia:
+        with safe_open(str(ia[key]), "pt") as fa, safe_open(str(ib[key]), "pt") as fb:
+            if not torch.equal(fa.get_tensor(key), fb.get_tensor(key)):
+                return False
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="/tmp/hf_xla_fsdp_bench_consolidate")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+    work = Path(args.workdir)
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    me = [sys.executable, __file__, "--workdir", str(work), "--world-size", str(args.world_size)]
+    if not (work / "ours" / "checkpoint_complete.json").exists():
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        for rank in range(args.world_size):
+            subprocess.run(me + ["--child", "rank", "--rank", str(rank)], check=True, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        from hf_xla_fsdp.checkpoint import commit_checkpoint
+
+        commit_checkpoint(work / "ours", args.world_size)
+    results = {}
+    for stale in ("out_reference", "out_ours", "out_ours_trainer"):
+        shutil.rmtree(work / stale, ignore_errors=True)
+    for kind in ("reference", "ours", "ours_trainer_files"):
+        child_env = dict(env, USE_TORCH_XLA="0") if kind.startswith("ours") else env
+        start = time.perf_counter()
+        res = subprocess.run(me + ["--child", kind], capture_output=True, text=True, env=child_env)
+        wall = round(time.perf_counter() - start, 2)
+        if res.returncode != 0:
+            raise SystemExit(f"{kind} failed:\n{res.stderr[-3000:]}")
+        results[kind] = json.loads(res.stdout.strip().splitlines()[-1])
+        results[kind]["process_seconds"] = wall
+    model_bytes = sum(f.stat().st_size for f in (work / "out_reference").glob("*.safetensors"))
+    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+    ours, ref = results["ours"], results["reference"]
+    report = {
+        "world_size": args.world_size, "model_mib": mib(model_bytes),
+        "torch_import_rss_mib": mib(ours["torch_import_rss"]),
+        "reference": {"peak_rss_mib": mib(ref["peak_rss"]), "baseline_rss_mib": mib(ref["baseline_rss"]), "seconds": ref["seconds"],
+                      "process_seconds": ref["process_seconds"], "above_torch_import_mib": mib(ref["peak_rss"] - ref["torch_import_rss"])},
+        "ours": {"peak_rss_mib": mib(ours["peak_rss"]), "baseline_rss_mib": mib(ours["baseline_rss"]),
+                 "above_torch_import_mib": mib(ours["peak_rss"] - ours["torch_import_rss"]),
+                 "seconds": ours["seconds"], "process_seconds": ours["process_seconds"], "imported_torch_xla": ours["imported_torch_xla"]},
+        "ours_from_trainer_files": {"peak_rss_mib": mib(results["ours_trainer_files"]["peak_rss"]),
+                                    "seconds": results["ours_trainer_files"]["seconds"]},
+        "target_peak_mib": mib(0.5 * 2**30 + model_bytes / args.world_size),
+        "rss_ratio_reference_over_ours": round(ref["peak_rss"] / ours["peak_rss"], 2),
+        "process_time_ratio_reference_over_ours": round(ref["process_seconds"] / ours["process_seconds"], 2),
+        "outputs_identical": compare_outputs(work / "out_ours", work / "out_reference")
+        and compare_outputs(work / "out_ours_trainer", work / "out_reference"),
+    }
+    report["ours_within_peak_target"] = ours["peak_rss"] <= 0.5 * 2**30 + model_bytes / args.world_size
+    report["ours_above_torch_import_within_target"] = (
+        ours["peak_rss"] - ours["torch_import_rss"] <= 0.5 * 2**30 + model_bytes / args.world_size)
+    report["ours_at_least_5x_below_reference"] = report["rss_ratio_reference_over_ours"] >= 5
+    # whole processes, imports included: what a user waits for; ours also fsyncs every file it writes
+    report["ours_not_slower"] = ours["process_seconds"] <= ref["process_seconds"]
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
