@@ -1,0 +1,165 @@
+"""`accelerate launch --config_file examples/xla_fsdp.yaml examples/train_clm_accelerate.py`, for real."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hf_xla_fsdp import ConfigError
+from hf_xla_fsdp.accelerate_glue import ENV_CONFIG, _config_from_cmdline, find_accelerate_config, plugin_from_accelerate_launch
+
+ROOT = Path(__file__).resolve().parents[1]
+YAML = ROOT / "examples" / "xla_fsdp.yaml"
+SCRIPT = ROOT / "examples" / "train_clm_accelerate.py"
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+
+
+def launch(config: Path, out: Path, *args, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false")
+    env.pop(ENV_CONFIG, None)
+    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), str(SCRIPT), "--output_dir", str(out), *map(str, args)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_clm_accelerate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("acc") / "run"
+    res = launch(YAML, out, "--max_train_steps", "30", "--checkpointing_steps", "10")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out, res
+
+
+def test_end_to_end_and_from_pretrained_eval_loss(trained):
+    out, res = trained
+    results = json.loads((out / "results.json").read_text())
+    assert "eval loss" in res.stdout and "consolidated model" in res.stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(out / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    script = load_script()
+    args = script.parse_args(["--output_dir", str(out)])
+    _, eval_ds = script.build_datasets(args, tokenizer)
+    loader = torch.utils.data.DataLoader(eval_ds, batch_size=results["eval_batch_size"],
+                                         collate_fn=script.default_data_collator, drop_last=True)
+    loss = script.evaluate(model, loader, results["max_eval_batches"])
+    assert loss == pytest.approx(results["final_eval_loss"], abs=1e-5)
+    # the FSDP model computed in bf16, the reloaded one in fp32: same weights, nearly the same loss
+    assert loss == pytest.approx(results["eval_loss"], abs=0.03)
+    assert loss < results["initial_eval_loss"] - 2.0
+
+
+def test_yaml_settings_reach_the_training_process(trained, tmp_path):
+    out, _ = trained
+    nested = json.loads((out / "fsdp_structure.json").read_text())
+    assert nested["num_units"] == 5 and nested["checkpointed_blocks"] == 4
+    assert nested["compute_dtype"] == "torch.bfloat16"
+    cfg = yaml.safe_load(YAML.read_text())
+    cfg["fsdp_config"].update(fsdp_sharding_strategy="zero2", fsdp_activation_checkpointing=False, compute_dtype="fp32")
+    changed = tmp_path / "zero2.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    res = launch(changed, tmp_path / "run", "--max_train_steps", "2", "--max_eval_batches", "1")
+    assert res.returncode == 0, res.stderr[-3000:]
+    root_only = json.loads((tmp_path / "run" / "fsdp_structure.json").read_text())
+    assert root_only["units"] == [""] and root_only["checkpointed_blocks"] == 0
+    assert root_only["compute_dtype"] == "torch.float32"
+
+
+def test_resume_continues_the_same_loss_curve(trained, tmp_path):
+    out, _ = trained
+    full = json.loads((out / "results.json").read_text())["losses"]
+    res = launch(YAML, tmp_path / "resumed", "--max_train_steps", "30", "--resume_from_checkpoint", out / "step_10")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout
+    resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())["losses"]
+    for step in range(11, 31):
+        assert resumed[str(step)] == pytest.approx(full[str(step)], abs=1e-6), step
+
+
+@pytest.mark.parametrize("setting,needle", [({"fsdp_offload_params": True}, "unknown key 'fsdp_offload_params'"),
+                                            ({"fsdp_sharding_strategy": "zero9"}, "sharding='zero9' is not valid")])
+def test_invalid_fsdp_config_fails_before_training(tmp_path, setting, needle):
+    cfg = yaml.safe_load(YAML.read_text())
+    cfg["fsdp_config"].update(setting)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(cfg))
+    res = launch(bad, tmp_path / "run", "--max_train_steps", "2")
+    assert res.returncode != 0
+    assert needle in res.stderr
+    assert not (tmp_path / "run").exists()  # nothing started: no output directory
+
+
+def test_config_discovery(tmp_path, monkeypatch):
+    assert _config_from_cmdline(["/x/bin/accelerate", "launch", "--config_file", "a.yaml", "t.py"]) == "a.yaml"
+    assert _config_from_cmdline(["python", "-m", "accelerate.commands.launch", "--config-file=b.yaml", "t.py"]) == "b.yaml"
+    assert _config_from_cmdline(["/x/bin/accelerate", "launch", "t.py"]) == ""
+    assert _config_from_cmdline(["python", "train.py", "--config_file", "c.yaml"]) is None
+    monkeypatch.setenv(ENV_CONFIG, str(YAML))
+    assert find_accelerate_config() == YAML
+    assert plugin_from_accelerate_launch().activation_checkpointing
+    other = tmp_path / "gpu.yaml"
+    other.write_text("distributed_type: MULTI_GPU\nfsdp_config: {}\n")
+    monkeypatch.setenv(ENV_CONFIG, str(other))
+    with pytest.raises(ConfigError, match="XLA FSDP needs distributed_type: XLA"):
+        plugin_from_accelerate_launch()
+
+
+def test_gradient_accumulation_clip_and_step_match_plain_fsdp():
+    from conftest import consolidate, tiny_llama
+
+    from hf_xla_fsdp import XlaFsdpPlugin
+    from hf_xla_fsdp.accelerate_glue import XlaFsdpAccelerator
+    from hf_xla_fsdp.train import sync, xla_device
+
+    config = tiny_llama()
+    device = xla_device()
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (2, 16), generator=gen) for _ in range(2)]
+    batches = [{"input_ids": b.to(device), "labels": b.to(device)} for b in batches]
+
+    accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(), gradient_accumulation_steps=2)
+    torch.manual_seed(0)
+    model = accelerator.build_model(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for batch in batches:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            # FSDP reduce-scattered in backward: accelerate's extra XLA all-reduce is marked done
+            assert accelerator.gradient_state.is_xla_gradients_synced
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            optimizer.zero_grad()
+    sync()
+    got = consolidate(model)
+
+    torch.manual_seed(0)
+    ref = XlaFsdpPlugin().build(config, progress=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for batch in batches:
+        (ref(**batch).loss / 2).backward()
+    ref.clip_grad_norm_(0.5)
+    ref_opt.step()
+    sync()
+    expected = consolidate(ref)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-5, msg=key)
+    with pytest.raises(ConfigError, match="create it after the model is wrapped"):
+        accelerator.prepare(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
