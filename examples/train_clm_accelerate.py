@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_eval_batches", type=int, default=8)
     p.add_argument("--output_dir", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--push_to_hub", action="store_true", help="export OUT/final with a model card and push it")
+    p.add_argument("--hub_model_id", default=None, help="ORG/NAME for --push_to_hub")
     return p.parse_args(argv)
 
 
@@ -170,7 +172,8 @@ def main() -> None:
 
     eval_loss = evaluate(model, eval_dl, args.max_eval_batches)
     log(accelerator, f"eval loss {eval_loss:.4f}  perplexity {math.exp(eval_loss):.2f}")
-    accelerator.save_model(model, out / "final")  # sharded save, then streaming consolidation
+    accelerator.save_model(model, out / "final", extra={"losses": losses, "eval_loss": eval_loss,
+                                                        "eval_dataset": Path(args.train_file).stem}, step=completed)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out / "final")
         final_eval_loss = evaluate_consolidated(out / "final", eval_ds, args)
@@ -180,6 +183,15 @@ def main() -> None:
             "final_eval_loss": final_eval_loss,
             "losses": losses, "steps": completed, "max_eval_batches": args.max_eval_batches,
             "eval_batch_size": args.per_device_eval_batch_size, "block_size": args.block_size}, indent=2))
+    if args.push_to_hub and accelerator.is_main_process:
+        from hf_xla_fsdp.hub_export import PushError, export
+
+        try:
+            result = export(out / "final", out / "hub", repo_id=args.hub_model_id, push=True, overwrite=True)
+            log(accelerator, f"pushed to {result['pushed']}")
+        except PushError as err:
+            log(accelerator, f"push failed: {err}")
+            raise SystemExit(3)
     accelerator.end_training()
 
 

@@ -181,8 +181,13 @@ class XlaFsdpAccelerator(Accelerator):
 
     def save_model(self, model: torch.nn.Module, save_directory: Union[str, os.PathLike],
                    max_shard_size: Union[int, str] = "5GB", safe_serialization: bool = True,
-                   dtype: str = "auto", overwrite: bool = True) -> None:
-        """A ``from_pretrained``-ready directory: sharded save, then streaming consolidation on the main process."""
+                   dtype: str = "auto", overwrite: bool = True, extra: Optional[dict[str, Any]] = None,
+                   step: Optional[int] = None) -> None:
+        """A ``from_pretrained``-ready directory: sharded save, then streaming consolidation on the main process.
+
+        ``extra`` (e.g. ``{"eval_loss": ..., "losses": {...}}``) is kept in the directory's training
+        record, which ``hf-xla-fsdp export`` turns into the model card's numbers.
+        """
         from .checkpoint import save_checkpoint
         from .consolidate import consolidate
 
@@ -190,7 +195,7 @@ class XlaFsdpAccelerator(Accelerator):
             raise ConfigError("hf_xla_fsdp writes safetensors only; call save_model with safe_serialization=True")
         save_directory = Path(save_directory)
         shards = save_directory.parent / f".{save_directory.name}.sharded"
-        save_checkpoint(shards, model, step=self.step, plugin=self.xla_fsdp_plugin,
+        save_checkpoint(shards, model, step=self.step if step is None else step, plugin=self.xla_fsdp_plugin, extra=extra,
                         barrier=lambda tag: self.wait_for_everyone())
         if self.is_main_process:
             consolidate(shards, save_directory, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,

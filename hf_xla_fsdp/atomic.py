@@ -37,12 +37,17 @@ def fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def prepare_output(output: Path, overwrite: bool) -> Path:
-    """Refuse an existing non-empty ``output`` unless ``overwrite``; return a new staging directory beside it."""
+def check_output(output: Path, overwrite: bool) -> None:
+    """Refuse an existing non-empty ``output`` unless ``overwrite``."""
     if output.exists() and not output.is_dir():
         raise FileExistsError(f"output {output} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise FileExistsError(f"output directory {output} already exists and is not empty; pass --overwrite to replace it")
+
+
+def prepare_output(output: Path, overwrite: bool) -> Path:
+    """Refuse an existing non-empty ``output`` unless ``overwrite``; return a new staging directory beside it."""
+    check_output(output, overwrite)
     output.parent.mkdir(parents=True, exist_ok=True)
     stage = output.parent / f".{output.name}.tmp-{uuid.uuid4().hex[:8]}"
     stage.mkdir()

@@ -31,11 +31,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_xla_runtime() -> None:
+    """Keep torch_xla out of a consolidation-only process.
+
+    transformers imports torch_xla with its model classes (needed to check a config against a
+    checkpoint) unless USE_TORCH_XLA is off when transformers is first imported. Only set here,
+    in a process that has not imported transformers yet, so an in-process caller's environment
+    and later subprocesses are left alone.
+    """
+    if "transformers" not in sys.modules and "USE_TORCH_XLA" not in os.environ:
+        os.environ["USE_TORCH_XLA"] = "0"
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Consolidate FSDP rank files into a from_pretrained-ready safetensors directory."""
-    # consolidation needs no XLA runtime; without this, importing a transformers model class
-    # (to check the config against the checkpoint) imports torch_xla when it is installed
-    os.environ.setdefault("USE_TORCH_XLA", "0")
+    _no_xla_runtime()
     from .consolidate import consolidate
 
     summary = consolidate(
@@ -43,6 +53,25 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
     )
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Consolidated model + model card in DIR, optionally pushed to the Hub."""
+    _no_xla_runtime()
+    from .hub_export import PushError, export
+
+    try:
+        result = export(
+            args.source, args.output, repo_id=args.repo_id, push=args.push, private=args.private,
+            revision=args.revision, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+            ckpt_suffix=args.ckpt_suffix, config=args.config, license=args.license, base_model=args.base_model,
+            datasets=args.dataset, progress=not args.quiet,
+        )
+    except PushError as err:
+        print(f"hf-xla-fsdp export: error: {err}", file=sys.stderr)
+        return 3
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -70,6 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_consolidate)
+
+    p = sub.add_parser("export", help="consolidated model + generated model card in DIR, optionally pushed to the Hub")
+    p.add_argument("source", help="a sharded checkpoint (as for consolidate) or an already consolidated directory")
+    p.add_argument("--output", "-o", required=True)
+    p.add_argument("--repo-id", "--repo_id", default=None, help="ORG/NAME on the Hub (also the card's model name)")
+    p.add_argument("--push", action="store_true", help="create the repo and upload DIR (needs a token and network)")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--revision", default=None, help="branch to push to")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-shard-size", "--max_shard_size", default="5GB")
+    p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None)
+    p.add_argument("--config", default=None)
+    p.add_argument("--license", default=None)
+    p.add_argument("--base-model", "--base_model", default=None, help="the model this one was fine-tuned from")
+    p.add_argument("--dataset", action="append", default=None, help="training data set id (repeatable)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

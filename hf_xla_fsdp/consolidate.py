@@ -189,6 +189,27 @@ def write_safetensors_streaming(path: Path, entries: list[OutputTensor], produce
         os.fsync(fh.fileno())
 
 
+# --------------------------------------------------------------------------- training record
+TRAINING_INFO = "xla_fsdp_training.json"
+
+
+def training_info(ranks: RankSet) -> dict[str, Any]:
+    """How the checkpoint was trained (engine, sharding, world size, dtype, steps, last losses), for model cards."""
+    meta = ranks.meta
+    if not meta:
+        return {"engine": "xla_fsdp_v1", "world_size": ranks.world_size}
+    extra = meta.get("extra") or {}
+    losses = extra.get("losses") or {}
+    metrics = {}
+    if losses:
+        metrics["train_loss"] = float(losses[max(losses, key=int)])
+    for key in ("eval_loss", "eval_dataset"):
+        if key in extra:
+            metrics[key] = extra[key]
+    return {"engine": "xla_fsdp_v1", "world_size": ranks.world_size, "step": meta.get("step"),
+            "plugin": meta.get("plugin"), "metrics": metrics}
+
+
 # --------------------------------------------------------------------------- side files
 def copy_side_files(sources: list[Path], dest: Path) -> list[str]:
     """Copy tokenizer / generation-config files found in the first of ``sources`` that has each."""
@@ -263,6 +284,9 @@ def consolidate(
         if config is not None:
             sources.append(Path(config) if Path(config).is_dir() else Path(config).parent)
         side = copy_side_files(sources, stage)
+        info = training_info(ranks)
+        if info:
+            write_bytes_atomic(stage / TRAINING_INFO, json.dumps(info, indent=2).encode())
         publish(stage, output)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

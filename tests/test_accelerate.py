@@ -65,6 +65,21 @@ def test_end_to_end_and_from_pretrained_eval_loss(trained):
     assert loss < results["initial_eval_loss"] - 2.0
 
 
+def test_export_of_the_trained_model_carries_its_numbers(trained, tmp_path):
+    from huggingface_hub import ModelCard
+
+    from hf_xla_fsdp.cli import main
+
+    out, _ = trained
+    results = json.loads((out / "results.json").read_text())
+    assert main(["export", str(out / "final"), "-o", str(tmp_path / "hub"), "--repo-id", "me/clm", "--quiet"]) == 0
+    card = ModelCard.load(tmp_path / "hub" / "README.md")
+    values = {r.metric_type: r.metric_value for r in card.data.eval_results}
+    assert values["loss"] == round(results["eval_loss"], 4)
+    assert "| optimizer steps | 30 |" in card.text and "| activation checkpointing | yes |" in card.text
+    assert (tmp_path / "hub" / "tokenizer.json").is_file()
+
+
 def test_yaml_settings_reach_the_training_process(trained, tmp_path):
     out, _ = trained
     nested = json.loads((out / "fsdp_structure.json").read_text())
