@@ -191,7 +191,7 @@ def main() -> None:
             log(accelerator, f"pushed to {result['pushed']}")
         except PushError as err:
             log(accelerator, f"push failed: {err}")
-            raise SystemExit(3)
+            raise SystemExit(3) from None
     accelerator.end_training()
 
 

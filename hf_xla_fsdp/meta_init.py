@@ -18,10 +18,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -290,8 +289,6 @@ class Materializer:
     """Fills the meta tensors of one part of a skeleton at a time."""
 
     def __init__(self, skeleton: Skeleton) -> None:
-        from safetensors import safe_open  # noqa: F401  (fail early if missing)
-
         self.sk = skeleton
         self.names = {m: n for n, m in skeleton.model.named_modules(remove_duplicate=False)}
         self.owners = _owners(skeleton.model)
@@ -305,10 +302,15 @@ class Materializer:
         self.missing: list[str] = []
 
     def _handle(self, path: Path) -> Any:
-        from safetensors import safe_open
+        # plain reads rather than safe_open's memory map: mapped pages of a checkpoint larger than
+        # host memory would count against the process until the map is closed
+        from .rank_files import SafetensorsReader
 
         if path not in self._files:
-            self._files[path] = safe_open(str(path), framework="pt")
+            try:
+                self._files[path] = SafetensorsReader(path)
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+                raise ConfigError(f"{path} is not a valid safetensors file ({err})") from None
         return self._files[path]
 
     def _tied_here(self, module: nn.Module) -> list[str]:
@@ -354,7 +356,7 @@ class Materializer:
                     if key not in weights:
                         self.missing.append(key)
                         continue
-                    stored = self._handle(weights[key]).get_tensor(key)
+                    stored = self._handle(weights[key]).read(key)
                     if stored.shape != tensor.shape:
                         raise ConfigError(
                             f"{key} has shape {tuple(stored.shape)} in {weights[key]} but the model expects {tuple(tensor.shape)}"

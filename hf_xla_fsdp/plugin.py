@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -254,8 +254,6 @@ _RENAMES = {
     "xla_fsdp_grad_ckpt": "activation_checkpointing",
     "sharding_strategy": "sharding",
 }
-# transformers' Trainer fills these torch-FSDP keys in every fsdp_config; they have no XLA meaning
-_IGNORED_IF_DEFAULT = {"xla": True}
 
 
 def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:

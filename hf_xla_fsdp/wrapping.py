@@ -6,7 +6,6 @@ import functools
 import logging
 from typing import Callable, Iterator
 
-import torch
 from torch import nn
 
 from .plugin import ConfigError, XlaFsdpPlugin, resolve_classes

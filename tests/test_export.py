@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
