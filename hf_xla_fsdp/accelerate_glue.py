@@ -73,7 +73,7 @@ def find_accelerate_config() -> Optional[Path]:
 
 def plugin_from_accelerate_launch() -> XlaFsdpPlugin:
     """The plugin described by the ``fsdp_config:`` of the accelerate YAML this process was launched with."""
-    import yaml
+    from .plugin import read_accelerate_yaml
 
     path = find_accelerate_config()
     if path is None:
@@ -81,8 +81,7 @@ def plugin_from_accelerate_launch() -> XlaFsdpPlugin:
             "no accelerate config found: run under `accelerate launch --config_file xla_fsdp.yaml`, set "
             f"{ENV_CONFIG}, or pass fsdp_plugin=XlaFsdpPlugin(...)")
     plugin = XlaFsdpPlugin.from_accelerate_config(path)
-    with open(path, encoding="utf-8") as fh:
-        distributed = (yaml.safe_load(fh) or {}).get("distributed_type", "XLA")
+    distributed = read_accelerate_yaml(path).get("distributed_type", "XLA")
     if str(distributed).upper() not in ("XLA", "TPU"):
         raise ConfigError(f"distributed_type={distributed!r} in {path}: XLA FSDP needs distributed_type: XLA")
     return plugin

@@ -186,13 +186,7 @@ class XlaFsdpPlugin:
         source = "fsdp_config"
         if isinstance(fsdp_config, (str, os.PathLike)):
             source = str(fsdp_config)
-            try:
-                with open(fsdp_config, encoding="utf-8") as fh:
-                    fsdp_config = json.load(fh)
-            except FileNotFoundError:
-                raise ConfigError(f"fsdp_config file {source} does not exist") from None
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"fsdp_config file {source} is not valid JSON: {err}") from None
+            fsdp_config = read_settings_file(fsdp_config, "fsdp_config", json.load, json.JSONDecodeError, "JSON")
         if not isinstance(fsdp_config, Mapping):
             raise ConfigError(f"{source} must be a JSON object / dict of settings, got {type(fsdp_config).__name__}")
         return cls(**_normalize(fsdp_config, source))
@@ -200,15 +194,7 @@ class XlaFsdpPlugin:
     @classmethod
     def from_accelerate_config(cls, yaml_path: Union[str, os.PathLike]) -> "XlaFsdpPlugin":
         """Build from the ``fsdp_config:`` mapping of an accelerate YAML config file."""
-        import yaml
-
-        try:
-            with open(yaml_path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"accelerate config file {yaml_path} does not exist") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"accelerate config file {yaml_path} is not valid YAML: {err}") from None
+        data = read_accelerate_yaml(yaml_path)
         if not isinstance(data, Mapping):
             raise ConfigError(f"accelerate config file {yaml_path} must hold a mapping")
         settings = data.get("fsdp_config") or {}
@@ -247,6 +233,24 @@ class XlaFsdpPlugin:
         from .meta_init import build_model
 
         return build_model(config_or_pretrained_dir, self, **kwargs)
+
+
+def read_settings_file(path: Union[str, os.PathLike], kind: str, parse: Any, error: type, language: str) -> Any:
+    """Parse a settings file, turning a missing or malformed file into a one-line ConfigError."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return parse(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{kind} file {path} does not exist") from None
+    except error as err:
+        raise ConfigError(f"{kind} file {path} is not valid {language}: {' '.join(str(err).split())}") from None
+
+
+def read_accelerate_yaml(path: Union[str, os.PathLike]) -> Any:
+    """The parsed accelerate YAML config (``{}`` for an empty file)."""
+    import yaml
+
+    return read_settings_file(path, "accelerate config", yaml.safe_load, yaml.YAMLError, "YAML") or {}
 
 
 # transformers' fsdp_config spelling -> ours

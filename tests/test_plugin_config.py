@@ -126,3 +126,11 @@ def test_accelerate_yaml_errors(tmp_path):
         XlaFsdpPlugin.from_accelerate_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         XlaFsdpPlugin.from_accelerate_config(tmp_path / "nope.yaml")
+
+
+def test_malformed_yaml_is_one_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("fsdp_config:\n  a: [1, 2\n  b: c\n")
+    with pytest.raises(ConfigError) as err:
+        XlaFsdpPlugin.from_accelerate_config(path)
+    assert "is not valid YAML" in str(err.value) and "\n" not in str(err.value)
