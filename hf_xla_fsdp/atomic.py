@@ -31,12 +31,6 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def fsync_file(path: Path) -> None:
-    """Flush a file written by a library that does not fsync (e.g. safetensors' save_file)."""
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
-
-
 def check_output(output: Path, overwrite: bool) -> None:
     """Refuse an existing non-empty ``output`` unless ``overwrite``."""
     if output.exists() and not output.is_dir():

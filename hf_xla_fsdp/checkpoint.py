@@ -19,10 +19,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .atomic import fsync_file, publish, write_bytes_atomic
+from .atomic import publish, write_bytes_atomic
 from .rank_files import (
     COMPLETE_MARKER, FORMAT, MODEL_PREFIX, OPTIM_PREFIX, CheckpointError, RankFile, SafetensorsRankFile,
     _structure, encode_shard_metadata, gather_rows, open_checkpoint, rank_file_stem, read_marker,
+    write_safetensors_streaming,
 )
 
 RNG_CPU = "rng/torch_cpu"
@@ -101,8 +102,6 @@ def write_rank_file(
     extra: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write the calling rank's files into the staging directory of ``ckpt_dir``; returns the tensor file."""
-    from safetensors.torch import save_file
-
     from .train import sync
     from .wrapping import unwrap
 
@@ -124,7 +123,6 @@ def write_rank_file(
                     scalars.setdefault(str(idx), {})[name] = value
         optim_meta = {"param_groups": state["param_groups"], "scalar_state": scalars,
                       "param_names": _param_names(model, optimizer)}
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     tensors[RNG_CPU] = torch.get_rng_state()
     inner = unwrap(model)
     config = getattr(inner, "config", None)
@@ -135,8 +133,9 @@ def write_rank_file(
     stem = rank_file_stem(rank, world)
     tensor_path = stage / f"{stem}.safetensors"
     tmp = stage / f".{stem}.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    fsync_file(tmp)
+    # one tensor at a time from the device: the host never holds the whole shard
+    specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    write_safetensors_streaming(tmp, specs, lambda name: tensors[name].detach().cpu(), {"format": "pt"})
     tmp.replace(tensor_path)
     meta = {
         "format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,

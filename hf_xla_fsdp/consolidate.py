@@ -20,7 +20,9 @@ import torch
 
 from .atomic import prepare_output, publish, write_bytes_atomic
 from .plugin import ConfigError, parse_dtype
-from .rank_files import MODEL_PREFIX, CheckpointError, RankSet, gather_rows, open_checkpoint
+from .rank_files import (
+    MODEL_PREFIX, CheckpointError, RankSet, gather_rows, open_checkpoint, write_safetensors_streaming,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,48 +149,6 @@ def check_against_config(plan: list[OutputTensor], config: Any) -> None:
         raise ConfigError(f"the config does not match the checkpoint: {'; '.join(problems[:3])}{more}")
 
 
-# --------------------------------------------------------------------------- streaming safetensors writer
-_ST_DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                   torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                   torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def write_safetensors_streaming(path: Path, entries: list[OutputTensor], produce: Any,
-                                metadata: dict[str, str], on_tensor: Any = None) -> None:
-    """Write a safetensors file one tensor at a time.
-
-    Every shape and dtype is known before any data is read, so the header is written first and
-    each tensor is produced, written and dropped in turn: memory stays at one tensor however large
-    the file. The layout is the safetensors format (little-endian u64 header size, JSON header
-    padded to 8 bytes, raw little-endian data), read back by ``safe_open`` in the tests.
-    """
-    import struct
-    import sys
-
-    if sys.byteorder != "little":
-        raise RuntimeError("streaming safetensors writing needs a little-endian host")
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for t in entries:
-        nbytes = t.numel * t.dtype.itemsize
-        header[t.name] = {"dtype": _ST_DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(head)))
-        fh.write(head)
-        for t in entries:
-            tensor = produce(t)
-            if tuple(tensor.shape) != tuple(t.shape) or tensor.dtype != t.dtype:
-                raise CheckpointError(f"{t.name}: assembled {tuple(tensor.shape)} {tensor.dtype}, expected {t.shape} {t.dtype}")
-            fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            if on_tensor is not None:
-                on_tensor(t)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 # --------------------------------------------------------------------------- training record
 TRAINING_INFO = "xla_fsdp_training.json"
 
@@ -266,8 +226,10 @@ def consolidate(
                    desc="consolidate", disable=not progress)
         for filename, names in split.filename_to_tensors.items():
             tmp = stage / (filename + ".tmp")
-            write_safetensors_streaming(tmp, [by_name[n] for n in names], lambda t: t.read(ranks),
-                                        {"format": "pt"}, lambda t: bar.update(t.numel * t.dtype.itemsize))
+            entries = [by_name[n] for n in names]
+            write_safetensors_streaming(
+                tmp, [(t.name, t.shape, t.dtype) for t in entries], lambda name: by_name[name].read(ranks),
+                {"format": "pt"}, lambda name: bar.update(by_name[name].numel * by_name[name].dtype.itemsize))
             os.replace(tmp, stage / filename)
         bar.close()
         if split.is_sharded:

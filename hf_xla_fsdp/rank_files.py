@@ -21,6 +21,7 @@ import math
 import os
 import re
 import struct
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -181,6 +182,42 @@ class SafetensorsReader:
         fd = getattr(self, "_fd", None)
         if fd is not None:
             os.close(fd)
+
+
+_ST_DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
+
+
+def write_safetensors_streaming(path: Path, specs: list[tuple[str, tuple[int, ...], torch.dtype]], produce: Any,
+                                metadata: dict[str, str], on_tensor: Any = None) -> None:
+    """Write a safetensors file one tensor at a time, then fsync it.
+
+    ``specs`` gives every (name, shape, dtype) up front, so the header goes first and each tensor
+    is produced by ``produce(name)``, written and dropped in turn: memory stays at one tensor
+    however large the file. The layout is the safetensors format (little-endian u64 header size,
+    JSON header padded to 8 bytes, raw little-endian data); ``safe_open`` reads it back in the tests.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError("streaming safetensors writing needs a little-endian host")
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(head)))
+        fh.write(head)
+        for name, shape, dtype in specs:
+            tensor = produce(name)
+            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise CheckpointError(f"{name}: produced {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(shape)} {dtype}")
+            fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            if on_tensor is not None:
+                on_tensor(name)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 class SafetensorsRankFile(RankFile):
