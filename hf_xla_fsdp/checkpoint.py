@@ -258,7 +258,8 @@ def load_checkpoint(
     def read(name: str, like: torch.Tensor) -> torch.Tensor:
         if files is None:
             return first.get(name)
-        if like.dim() == 0 or "_fsdp_shard" not in name and name.startswith(MODEL_PREFIX):
+        is_buffer = name.startswith(MODEL_PREFIX) and "_fsdp_shard" not in name
+        if like.dim() == 0 or is_buffer:
             return first.get(name)  # buffers and scalars are replicated
         rows = like.shape[0]
         return gather_rows(files, name, rank * rows, (rank + 1) * rows).view(like.shape)
@@ -291,7 +292,7 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, meta: di
         if name.startswith(OPTIM_PREFIX):
             idx, key = name[len(OPTIM_PREFIX):].split("/", 1)
             param = params[flat_names[int(idx)]]
-            like = param if first.shape(name) and len(first.shape(name)) else torch.empty(())
+            like = param if first.shape(name) else torch.empty(())  # 0-d state (e.g. step) is replicated
             by_idx.setdefault(int(idx), {})[key] = read(name, like)
     for idx, scalars in (saved.get("scalar_state") or {}).items():
         by_idx.setdefault(int(idx), {}).update(scalars)
