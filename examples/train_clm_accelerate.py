@@ -13,16 +13,15 @@ import argparse
 import json
 import math
 import sys
-from itertools import chain
 from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
-from datasets import load_dataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, default_data_collator, get_scheduler
 
+from clm_data import build_datasets
 from hf_xla_fsdp.accelerate_glue import XlaFsdpAccelerator
 from hf_xla_fsdp.wrapping import fsdp_units, unwrap
 
@@ -54,28 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--push_to_hub", action="store_true", help="export OUT/final with a model card and push it")
     p.add_argument("--hub_model_id", default=None, help="ORG/NAME for --push_to_hub")
     return p.parse_args(argv)
-
-
-def build_datasets(args: argparse.Namespace, tokenizer) -> tuple:
-    """Train / validation blocks of ``block_size`` tokens from a local text file (run_clm's pipeline)."""
-    raw = load_dataset("text", data_files={"train": args.train_file})["train"]
-    split = raw.train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed, shuffle=True)
-
-    def tokenize(batch):
-        return tokenizer([t + tokenizer.eos_token for t in batch["text"]])
-
-    def group(batch):
-        joined = {k: list(chain(*batch[k])) for k in batch}
-        total = len(joined["input_ids"]) // args.block_size * args.block_size
-        out = {k: [v[i:i + args.block_size] for i in range(0, total, args.block_size)] for k, v in joined.items()}
-        out["labels"] = out["input_ids"].copy()
-        return out
-
-    blocks = {}
-    for name, ds in (("train", split["train"]), ("validation", split["test"])):
-        ds = ds.map(tokenize, batched=True, remove_columns=["text"], desc=f"tokenize {name}")
-        blocks[name] = ds.map(group, batched=True, desc=f"group {name}")
-    return blocks["train"].shuffle(seed=args.seed), blocks["validation"]
 
 
 @torch.no_grad()
@@ -123,7 +100,8 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name)
     with accelerator.main_process_first():
-        train_ds, eval_ds = build_datasets(args, tokenizer)
+        train_ds, eval_ds = build_datasets(args.train_file, tokenizer, block_size=args.block_size,
+                                           validation_split_percentage=args.validation_split_percentage, seed=args.seed)
     train_dl = DataLoader(train_ds, batch_size=args.per_device_train_batch_size, collate_fn=default_data_collator,
                           drop_last=True)
     eval_dl = DataLoader(eval_ds, batch_size=args.per_device_eval_batch_size, collate_fn=default_data_collator,

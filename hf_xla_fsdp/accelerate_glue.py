@@ -108,7 +108,8 @@ class XlaFsdpAccelerator(Accelerator):
 
         if not is_wrapped(model):
             model = self.xla_fsdp_plugin.wrap(model)
-        self._models.append(model)
+        if not any(m is model for m in self._models):  # Trainer prepares the same model again for eval
+            self._models.append(model)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
@@ -179,13 +180,14 @@ class XlaFsdpAccelerator(Accelerator):
         return unwrap(model)
 
     def save_model(self, model: torch.nn.Module, save_directory: Union[str, os.PathLike],
-                   max_shard_size: Union[int, str] = "5GB", safe_serialization: bool = True,
-                   dtype: str = "auto", overwrite: bool = True, extra: Optional[dict[str, Any]] = None,
+                   max_shard_size: Union[int, str, None] = None, safe_serialization: bool = True,
+                   dtype: Optional[str] = None, overwrite: bool = True, extra: Optional[dict[str, Any]] = None,
                    step: Optional[int] = None) -> None:
         """A ``from_pretrained``-ready directory: sharded save, then streaming consolidation on the main process.
 
         ``extra`` (e.g. ``{"eval_loss": ..., "losses": {...}}``) is kept in the directory's training
-        record, which ``hf-xla-fsdp export`` turns into the model card's numbers.
+        record, which ``hf-xla-fsdp export`` turns into the model card's numbers. ``dtype`` and
+        ``max_shard_size`` default to the plugin's ``consolidate_dtype`` / ``consolidate_max_shard_size``.
         """
         from .checkpoint import save_checkpoint
         from .consolidate import consolidate
@@ -197,7 +199,9 @@ class XlaFsdpAccelerator(Accelerator):
         save_checkpoint(shards, model, step=self.step if step is None else step, plugin=self.xla_fsdp_plugin, extra=extra,
                         barrier=lambda tag: self.wait_for_everyone())
         if self.is_main_process:
-            consolidate(shards, save_directory, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite,
+            plugin = self.xla_fsdp_plugin
+            consolidate(shards, save_directory, dtype=dtype or plugin.consolidate_dtype,
+                        max_shard_size=max_shard_size or plugin.consolidate_max_shard_size, overwrite=overwrite,
                         progress=self.is_main_process)
             shutil.rmtree(shards, ignore_errors=True)
         self.wait_for_everyone()

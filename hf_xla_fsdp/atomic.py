@@ -59,3 +59,31 @@ def publish(stage: Path, output: Path) -> None:
     fsync_dir(output.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# weight files of an earlier save that the new one may not overwrite by name (e.g. 1 file -> 3 shards)
+_WEIGHT_PATTERNS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+                    "pytorch_model.bin.index.json")
+
+
+def merge_into(stage: Path, output: Path) -> None:
+    """Move the complete files of ``stage`` into ``output``, which may hold other things (checkpoint-* dirs).
+
+    Every new file is renamed over its old namesake (weights first, config last); weight files of
+    an earlier save that the new one does not replace are removed afterwards, so ``output`` never
+    mixes two saves' weights once this returns. ``output`` is created (by rename) when missing.
+    """
+    if not output.exists():
+        publish(stage, output)
+        return
+    fsync_dir(stage)
+    new = sorted(p.name for p in stage.iterdir())
+    last = [n for n in new if n.endswith(".json")]
+    for name in [n for n in new if n not in last] + last:
+        os.replace(stage / name, output / name)
+    for pattern in _WEIGHT_PATTERNS:
+        for stale in output.glob(pattern):
+            if stale.name not in new and stale.is_file():
+                stale.unlink()
+    fsync_dir(output)
+    shutil.rmtree(stage, ignore_errors=True)

@@ -155,8 +155,12 @@ def write_rank_file(
     return tensor_path
 
 
-def commit_checkpoint(ckpt_dir: Union[str, Path], world_size: int) -> Path:
-    """Rank 0, after every rank wrote its files: write the completion marker and publish the directory."""
+def mark_complete(ckpt_dir: Union[str, Path], world_size: int) -> Path:
+    """Rank 0, after every rank wrote its files: write the completion marker into the staging directory.
+
+    The checkpoint is then readable at :func:`staging_dir` (e.g. to consolidate it in place) but not
+    yet visible under its name; :func:`commit_checkpoint` publishes it.
+    """
     ckpt_dir = Path(ckpt_dir)
     stage = staging_dir(ckpt_dir)
     files, first = {}, None
@@ -168,13 +172,26 @@ def commit_checkpoint(ckpt_dir: Union[str, Path], world_size: int) -> Path:
         meta = json.loads(meta_path.read_text())
         first = first or meta
         files[tensor_path.name] = {"file_id": meta["file_id"], "bytes": meta["tensor_file_bytes"]}
-    keep = set(files) | {f"{Path(n).stem}.json" for n in files}
+    rank_files = set(files) | {f"{Path(n).stem}.json" for n in files}
     for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
-        if stray.name not in keep:
-            stray.unlink() if stray.is_file() else None
+        if stray.is_file() and stray.name.startswith("rank-") and stray.name not in rank_files:
+            stray.unlink()
     marker = {"format": FORMAT, "world_size": world_size, "step": first["step"], "run_id": first["run_id"],
               "files": files}
     write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+    return stage
+
+
+def commit_checkpoint(ckpt_dir: Union[str, Path], world_size: int, *, marked: bool = False) -> Path:
+    """Rank 0, after every rank wrote its files: write the completion marker and publish the directory.
+
+    ``marked=True`` when :func:`mark_complete` already ran for this save (a marker left in the
+    staging directory by a killed save is never trusted otherwise).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    stage = staging_dir(ckpt_dir)
+    if not marked:
+        mark_complete(ckpt_dir, world_size)
     publish(stage, ckpt_dir)
     return ckpt_dir
 
@@ -275,6 +292,19 @@ def load_checkpoint(
         _restore_rng(meta, first.get(RNG_CPU) if RNG_CPU in first.names() else None)
     return {"step": meta.get("step", 0), "extra": meta.get("extra", {}), "run_id": meta.get("run_id"),
             "saved_world_size": saved_world}
+
+
+def restore_rng_state(ckpt_dir: Union[str, Path], model: nn.Module) -> None:
+    """Restore the Python, NumPy, torch CPU and XLA RNG states the calling rank saved in ``ckpt_dir``.
+
+    After a world-size change rank r takes the state of saved rank ``r % saved_world_size``.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    marker = read_marker(ckpt_dir)
+    saved_world = int(marker["world_size"])
+    rank, _ = _rank_world(model)
+    own = _read_own(ckpt_dir, marker, rank % saved_world, saved_world)
+    _restore_rng(own.meta, own.get(RNG_CPU) if RNG_CPU in own.names() else None)
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, meta: dict[str, Any],

@@ -25,6 +25,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
 _SHARDING = ("zero3", "zero2")
+CHECKPOINT_FORMATS = ("sharded", "sharded+consolidated")
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
 
@@ -66,6 +67,16 @@ def _parse_int(value: Any, field_name: str, minimum: int = 0) -> int:
     return out
 
 
+def _check_shard_size(value: Any, field_name: str) -> None:
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        if isinstance(value, bool) or (value if isinstance(value, int) else parse_size_to_int(value)) <= 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field_name}={value!r} is not a size; use bytes or a string such as '5GB' or '500MB'") from None
+
+
 @dataclass
 class XlaFsdpPlugin:
     """Settings for PyTorch/XLA Fully Sharded Data Parallel, applied with :meth:`wrap` or :meth:`build`.
@@ -73,8 +84,13 @@ class XlaFsdpPlugin:
     Block selection: ``transformer_layer_cls_to_wrap`` (class names, default: the model's
     ``_no_split_modules``) or ``min_num_params`` (size-based; wins when > 0).
     ``sharding="zero3"`` wraps every selected block in its own FSDP unit and then the root;
-    ``"zero2"`` wraps only the root. The remaining fields are passed to
+    ``"zero2"`` wraps only the root. The XLA FSDP options are passed to
     ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel`` unchanged.
+
+    Saving: ``checkpoint_format`` is ``"sharded"`` (rank files only, the default) or
+    ``"sharded+consolidated"`` (each checkpoint also holds a ``from_pretrained``-ready copy);
+    ``consolidate_dtype`` (``"auto"`` keeps the trained dtype) and ``consolidate_max_shard_size``
+    shape every consolidated model.
     """
 
     version: int = 1
@@ -102,6 +118,10 @@ class XlaFsdpPlugin:
     sharding_groups: Optional[list[list[int]]] = None
     sharding_rank: Optional[int] = None
     sharding_world_size: Optional[int] = None
+    # saving: what a Trainer checkpoint holds, and the dtype / file size of consolidated models
+    checkpoint_format: str = "sharded"
+    consolidate_dtype: str = "auto"
+    consolidate_max_shard_size: Union[int, str] = "5GB"
 
     _BOOL_FIELDS = (
         "activation_checkpointing", "meta_init", "fp32_reduce_scatter", "reshard_after_forward",
@@ -149,6 +169,15 @@ class XlaFsdpPlugin:
                 )
             cls_names = list(cls_names)
         self.transformer_layer_cls_to_wrap = cls_names
+        fmt = str(self.checkpoint_format).strip().lower()
+        if fmt not in CHECKPOINT_FORMATS:
+            raise ConfigError(f"checkpoint_format={self.checkpoint_format!r} is not valid; allowed values: "
+                              + ", ".join(repr(f) for f in CHECKPOINT_FORMATS))
+        self.checkpoint_format = fmt
+        self.consolidate_dtype = str(self.consolidate_dtype).strip().lower()
+        if self.consolidate_dtype != "auto":
+            parse_dtype(self.consolidate_dtype, "consolidate_dtype")
+        _check_shard_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
         self.compute_dtype = parse_dtype(self.compute_dtype, "compute_dtype")
         self.buffer_dtype = parse_dtype(self.buffer_dtype, "buffer_dtype")
         group = (self.sharding_groups, self.sharding_rank, self.sharding_world_size)
@@ -260,6 +289,9 @@ _RENAMES = {
 }
 
 
+_LEGACY_STRATEGIES = {"full_shard": "zero3", "shard_grad_op": "zero2"}
+
+
 def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Map transformers/accelerate spellings onto field names; reject anything unknown."""
     fields = set(XlaFsdpPlugin.field_names())
@@ -284,6 +316,10 @@ def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
                         f"unknown key xla_fsdp_settings.{sub_key} in {source}; allowed: {', '.join(XlaFsdpPlugin._FSDP_KWARGS)}"
                     )
                 out[sub_key] = sub_value
+            continue
+        if key == "reshard_after_forward" and isinstance(value, str) and value.lower() in _LEGACY_STRATEGIES:
+            # transformers turns a legacy `--fsdp "full_shard"` into this FSDP1 strategy name
+            out["sharding"] = _LEGACY_STRATEGIES[value.lower()]
             continue
         key = _RENAMES.get(key, key)
         if key not in fields:

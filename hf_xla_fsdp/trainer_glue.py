@@ -1,0 +1,370 @@
+"""XLA FSDP through transformers' ``Trainer`` flags: ``--fsdp --fsdp_config cfg.json``.
+
+:class:`XlaFsdpTrainer` is a drop-in ``transformers.Trainer`` that reads the same
+``TrainingArguments`` (an existing transformers XLA ``fsdp_config`` JSON works unchanged; our
+extra keys ``meta_init``, ``sharding``, ``checkpoint_format``, ``consolidate_dtype`` and
+``consolidate_max_shard_size`` are accepted) and differs from the stock XLA FSDP path in four ways:
+
+* the model may be given as a config, a ``config.json`` or a local model directory, and is then
+  built on ``meta`` and materialized, wrapped and sharded block by block (``meta_init``), so no
+  process ever holds the whole model; an ``nn.Module`` is wrapped once, with our plugin;
+* ``save_steps`` write our sharded rank checkpoints (model shard, optimizer, scheduler, RNG, plus
+  ``trainer_state.json`` for the data position), published atomically; ``resume_from_checkpoint``
+  reads only this rank's file;
+* the final ``save_model`` streams the shards into a ``from_pretrained``-ready safetensors model in
+  ``output_dir`` (beside the ``checkpoint-*`` directories), tokenizer and training record included;
+* gradients are not all-reduced again after FSDP's reduce-scatter and clipping uses the FSDP root's
+  norm over every shard (the accelerator is :class:`~hf_xla_fsdp.accelerate_glue.XlaFsdpAccelerator`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, Trainer, TrainingArguments
+
+from .plugin import ConfigError, XlaFsdpPlugin
+
+logger = logging.getLogger(__name__)
+
+# transformers' own decay rule (Trainer.get_decay_parameter_names), applied to the original names
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
+_FUSED_OPTIMIZERS = ("adamw_torch_fused",)
+
+
+def plugin_from_training_args(args: TrainingArguments) -> XlaFsdpPlugin:
+    """The plugin described by ``--fsdp --fsdp_config`` (transformers has already read the JSON)."""
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    if not args.fsdp or not fsdp_config.get("xla"):
+        raise ConfigError('XlaFsdpTrainer needs --fsdp and an --fsdp_config JSON with "xla": true '
+                          "(e.g. examples/xla_fsdp_config.json)")
+    return XlaFsdpPlugin.from_fsdp_config(fsdp_config)
+
+
+def original_parameter_names(model: nn.Module) -> dict[str, str]:
+    """FSDP parameter name -> the user's parameter name (a flattened group maps to its first member)."""
+    from .consolidate import clean_name
+
+    shard_info = model.get_shard_metadata()["shard_info"]
+    out = {}
+    for name, _ in model.named_parameters():
+        parts = name.split(".")
+        idx = next((i for i, p in enumerate(parts) if p.startswith("_fsdp_shard")), None)
+        if idx is None:
+            out[name] = clean_name(name)
+            continue
+        prefix, suffix = ".".join(parts[:idx]), ".".join(parts[idx:])
+        orig = shard_info.get(prefix, {}).get(suffix, {}).get("_orig_name", suffix)
+        out[name] = clean_name(f"{prefix}.{orig}" if prefix else orig)
+    return out
+
+
+class XlaFsdpTrainer(Trainer):
+    """A ``transformers.Trainer`` for PyTorch/XLA FSDP with meta init, sharded checkpoints and streaming saves.
+
+    ``model`` may be an ``nn.Module`` (wrapped here), a model already built with
+    ``XlaFsdpPlugin.build``, or a ``PretrainedConfig`` / ``config.json`` path / local model
+    directory, which is built on meta block by block when the fsdp_config's ``meta_init`` is true
+    (the default). ``fsdp_plugin`` overrides the settings read from ``args.fsdp_config``.
+    """
+
+    def __init__(self, model: Union[nn.Module, PretrainedConfig, str, os.PathLike, None] = None,
+                 args: Optional[TrainingArguments] = None, *trainer_args: Any,
+                 fsdp_plugin: Optional[XlaFsdpPlugin] = None, **trainer_kwargs: Any) -> None:
+        if args is None:
+            raise ConfigError("XlaFsdpTrainer needs TrainingArguments with --fsdp and --fsdp_config (\"xla\": true)")
+        self.xla_fsdp_plugin = fsdp_plugin or plugin_from_training_args(args)
+        optim = str(getattr(args.optim, "value", args.optim))
+        if optim in _FUSED_OPTIMIZERS:
+            # torch's fused AdamW has no XLA kernel; the same update unfused compiles into the step graph
+            logger.warning("optim=%s has no XLA kernel; using adamw_torch", optim)
+            args.optim = "adamw_torch"
+        if model is not None:
+            model = self._materialize(model, args)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self._inspect_inner_model()
+
+    def _inspect_inner_model(self) -> None:
+        """Label names and loss support from the transformers model, not from its FSDP wrapper's class."""
+        from transformers.utils import can_return_loss, find_labels
+
+        from .wrapping import unwrap
+
+        if self.model is None:
+            return
+        inner = type(unwrap(self.model))
+        if self.args.label_names is None:
+            self.label_names = find_labels(inner)
+        self.can_return_loss = can_return_loss(inner)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        from .wrapping import unwrap
+
+        if self._signature_columns is None:
+            # FSDP's forward(*args, **kwargs) hides the columns the model really takes
+            self._signature_columns = list(inspect.signature(unwrap(self.model).forward).parameters)
+            self._signature_columns += list({"label", "label_ids", *self.label_names})
+
+    # ----------------------------------------------------------------- the model
+    def _materialize(self, model: Any, args: TrainingArguments) -> nn.Module:
+        from transformers import set_seed
+
+        from .meta_init import build_eager
+        from .wrapping import is_wrapped
+
+        plugin = self.xla_fsdp_plugin
+        if isinstance(model, nn.Module):
+            if is_wrapped(model):
+                return model
+            self._no_cache_under_checkpointing(model)
+            return plugin.wrap(model)
+        if not isinstance(model, (PretrainedConfig, str, os.PathLike)):
+            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json or a local model "
+                              f"directory, not {type(model).__name__}")
+        set_seed(args.seed)  # the same initial weights as building the model after set_seed in run_clm
+        if plugin.meta_init:
+            built = plugin.build(model, progress=args.should_log)
+        else:
+            eager = build_eager(model)
+            self._no_cache_under_checkpointing(eager)
+            built = plugin.wrap(eager)
+        self._no_cache_under_checkpointing(built)
+        return built
+
+    def _no_cache_under_checkpointing(self, model: nn.Module) -> None:
+        config = getattr(model, "config", None)
+        if self.xla_fsdp_plugin.activation_checkpointing and getattr(config, "use_cache", False):
+            config.use_cache = False  # the KV cache is useless in training and breaks recomputation
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """``model_init()``'s model (module, config or path), built and wrapped like ``model``."""
+        return self._materialize(super().call_model_init(trial), self.args)
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        from .wrapping import is_wrapped
+
+        if is_wrapped(model):
+            return model  # never a second FSDP wrap (the stock path would wrap again here)
+        return self.xla_fsdp_plugin.wrap(model) if training else model
+
+    # ----------------------------------------------------------------- accelerator and optimizer
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        self._accelerator_kwargs = super()._build_accelerator_args(**kwargs)
+        return self._accelerator_kwargs
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` as the accelerator."""
+        from .accelerate_glue import XlaFsdpAccelerator
+
+        super().create_accelerator_and_postprocess()
+        kwargs = dict(self._accelerator_kwargs)
+        if kwargs.pop("fsdp_plugin", None) is not None:  # torch FSDP's plugin: never built for an XLA fsdp_config
+            raise ConfigError("XlaFsdpTrainer got a torch FSDP plugin; use an fsdp_config with \"xla\": true")
+        self.accelerator = XlaFsdpAccelerator(fsdp_plugin=self.xla_fsdp_plugin, **kwargs)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(self.gather_function,
+                                                     use_gather_object=self.args.eval_use_gather_object)
+
+    def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """Transformers' weight-decay rule applied to the original parameter names inside FSDP units.
+
+        A flattened group (``flatten_parameters``) is one tensor, so it decays as a whole.
+        """
+        from .wrapping import is_wrapped, unwrap
+
+        if not is_wrapped(model):
+            return super().get_decay_parameter_names(model)
+        inner = unwrap(model)
+        decay = []
+        for name, orig in original_parameter_names(model).items():
+            owner = orig.rsplit(".", 1)[0] if "." in orig else ""
+            try:
+                is_norm = isinstance(inner.get_submodule(owner), nn.LayerNorm)
+            except AttributeError:
+                is_norm = False
+            if "flat_param" in orig or not (is_norm or any(p.search(orig.lower()) for p in _NO_DECAY)):
+                decay.append(name)
+        return decay
+
+    def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    # ----------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        """A sharded checkpoint-N: rank files + trainer_state.json (+ config, tokenizer), published atomically."""
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+        from .checkpoint import commit_checkpoint, mark_complete, staging_dir, write_rank_file
+
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        optimizer = None if self.args.save_only_model else self._raw_optimizer()
+        scheduler = None if self.args.save_only_model else self.lr_scheduler
+        write_rank_file(output_dir, self.model, optimizer, scheduler, step=self.state.global_step,
+                        plugin=self.xla_fsdp_plugin, extra={"trainer": True, **self._training_record()})
+        self.accelerator.wait_for_everyone()
+
+        if self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] \
+                and self.state.best_global_step:
+            best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            if best == output_dir or best.exists():
+                self.state.best_model_checkpoint = str(best)
+
+        if self.args.should_save:
+            stage = staging_dir(output_dir)
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name, cb_state = cb.__class__.__name__, cb.state()
+                if isinstance(self.state.stateful_callbacks[name], list):
+                    self.state.stateful_callbacks[name].append(cb_state)
+                else:
+                    self.state.stateful_callbacks[name] = cb_state
+            from transformers.trainer import TRAINER_STATE_NAME
+
+            self.state.save_to_json(str(stage / TRAINER_STATE_NAME))
+            self._save_side_files(stage)
+            world = int(self.model.get_shard_metadata()["world_size"])
+            mark_complete(output_dir, world)
+            if self.xla_fsdp_plugin.checkpoint_format == "sharded+consolidated":
+                self._consolidate_into(stage, stage)
+            commit_checkpoint(output_dir, world, marked=True)
+        self.accelerator.wait_for_everyone()
+
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(str(output_dir))
+        if self.args.should_save:
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_side_files(self, directory: Path) -> None:
+        """config.json, generation_config.json, tokenizer and training_args.json of the run."""
+        from .wrapping import unwrap
+
+        inner = unwrap(self.model)
+        config = getattr(inner, "config", None)
+        if config is not None:
+            config.save_pretrained(str(directory))
+        generation_config = getattr(inner, "generation_config", None)
+        if generation_config is not None and getattr(inner, "can_generate", lambda: False)():
+            generation_config.save_pretrained(str(directory))
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(str(directory))
+        (directory / "training_args.json").write_text(self.args.to_json_string())
+
+    def _consolidate_into(self, marked_ckpt: Path, output: Path) -> None:
+        """Stream the marked checkpoint at ``marked_ckpt`` into a from_pretrained model merged into ``output``."""
+        from .atomic import merge_into
+        from .consolidate import consolidate
+
+        tmp = output.parent / f".{output.name}.consolidated-{uuid.uuid4().hex[:8]}"
+        try:
+            consolidate(marked_ckpt, tmp, dtype=self.xla_fsdp_plugin.consolidate_dtype,
+                        max_shard_size=self.xla_fsdp_plugin.consolidate_max_shard_size,
+                        progress=not self.args.disable_tqdm)
+            merge_into(tmp, output)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _training_record(self) -> dict[str, Any]:
+        """Losses of the run so far (for the consolidated model's training record and model card)."""
+        losses = {str(e["step"]): float(e["loss"]) for e in self.state.log_history if "loss" in e and "step" in e}
+        record: dict[str, Any] = {"losses": losses}
+        evals = [e for e in self.state.log_history if "eval_loss" in e]
+        if evals:
+            record["eval_loss"] = float(evals[-1]["eval_loss"])
+        return record
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
+        """Check ``resume_from_checkpoint`` is one of our complete checkpoints (loaded after the optimizer exists)."""
+        from .rank_files import COMPLETE_MARKER, read_marker
+
+        path = Path(resume_from_checkpoint)
+        if not (path / COMPLETE_MARKER).is_file() and any(path.glob("rank*-of-*-pytorch_model.bin")):
+            raise ConfigError(f"{path} was written by transformers' own XLA FSDP path, which XlaFsdpTrainer cannot "
+                              "resume; consolidate it with `hf-xla-fsdp consolidate` and start from that model")
+        read_marker(path)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        """Restore this rank's model shard, optimizer and scheduler (any saved world size)."""
+        from .checkpoint import load_checkpoint
+
+        if checkpoint is None:
+            return
+        load_checkpoint(checkpoint, self.model, None if self.args.save_only_model else self._raw_optimizer(),
+                        None if self.args.save_only_model else self.lr_scheduler, restore_rng=False)
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        from .checkpoint import restore_rng_state
+
+        if checkpoint is not None:
+            restore_rng_state(checkpoint, self.model)
+
+    def _load_best_model(self) -> None:
+        from .checkpoint import load_checkpoint
+
+        logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
+        load_checkpoint(self.state.best_model_checkpoint, self.model, restore_rng=False)
+
+    # ----------------------------------------------------------------- the final model
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """A ``from_pretrained``-ready safetensors model in ``output_dir`` (default ``args.output_dir``).
+
+        Every rank writes its shard; the main process streams them into safetensors beside whatever
+        ``output_dir`` already holds (``checkpoint-*`` stay), with config, tokenizer and training record.
+        """
+        from .checkpoint import save_checkpoint
+        from .wrapping import is_wrapped
+
+        if not is_wrapped(self.model):
+            raise ConfigError("save_model needs the FSDP-wrapped model; build the trainer with a model or call train() first")
+        output = Path(output_dir if output_dir is not None else self.args.output_dir)
+        shards = output.parent / f".{output.name}.sharded-{self.state.global_step}"
+        save_checkpoint(shards, self.model, step=self.state.global_step, plugin=self.xla_fsdp_plugin,
+                        extra=self._training_record(), barrier=lambda tag: self.accelerator.wait_for_everyone())
+        if self.args.should_save:
+            try:
+                self._save_side_files(shards)
+                self._consolidate_into(shards, output)
+                (output / "training_args.json").write_text(self.args.to_json_string())
+            finally:
+                shutil.rmtree(shards, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def create_model_card(self, language: Optional[str] = None, license: Optional[str] = None,
+                          tags: Union[str, list[str], None] = None, model_name: Optional[str] = None,
+                          finetuned_from: Optional[str] = None, tasks: Any = None,
+                          dataset_tags: Any = None, dataset: Union[str, list[str], None] = None,
+                          dataset_args: Any = None) -> None:
+        """README.md for ``output_dir`` from our model card template and the saved training record."""
+        from .hub_export import render_card
+
+        if not self.is_world_process_zero():
+            return
+        output = Path(self.args.output_dir)
+        if not (output / "config.json").is_file():
+            raise ConfigError(f"{output} has no consolidated model yet; call trainer.save_model() first")
+        datasets = [dataset] if isinstance(dataset, str) else (list(dataset) if dataset else None)
+        name = model_name or (self.args.hub_model_id or output.name).split("/")[-1]
+        card = render_card(output, model_name=name, license=license, base_model=finetuned_from, datasets=datasets,
+                           load_path=self.args.hub_model_id or str(output))
+        card.save(str(output / "README.md"))
+
+
+__all__ = ["XlaFsdpTrainer", "plugin_from_training_args", "original_parameter_names"]
