@@ -64,7 +64,12 @@ def original_parameter_names(model: nn.Module) -> dict[str, str]:
             out[name] = clean_name(name)
             continue
         prefix, suffix = ".".join(parts[:idx]), ".".join(parts[idx:])
-        orig = shard_info.get(prefix, {}).get(suffix, {}).get("_orig_name", suffix)
+        # parameter names pass through the flatten wrapper (_fpw_module); shard_info keys do not
+        prefix = prefix.replace("_fpw_module.", "").removesuffix("._fpw_module")
+        try:
+            orig = shard_info[prefix][suffix]["_orig_name"]
+        except KeyError:
+            raise ConfigError(f"{name} has no entry in the FSDP shard metadata") from None
         out[name] = clean_name(f"{prefix}.{orig}" if prefix else orig)
     return out
 

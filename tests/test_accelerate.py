@@ -30,6 +30,7 @@ def launch(config: Path, out: Path, *args, timeout: int = 900) -> subprocess.Com
 
 
 def load_script():
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports its sibling clm_data
     spec = importlib.util.spec_from_file_location("train_clm_accelerate", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -55,7 +56,8 @@ def test_end_to_end_and_from_pretrained_eval_loss(trained):
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
     script = load_script()
     args = script.parse_args(["--output_dir", str(out)])
-    _, eval_ds = script.build_datasets(args, tokenizer)
+    _, eval_ds = script.build_datasets(args.train_file, tokenizer, block_size=args.block_size,
+                                       validation_split_percentage=args.validation_split_percentage, seed=args.seed)
     loader = torch.utils.data.DataLoader(eval_ds, batch_size=results["eval_batch_size"],
                                          collate_fn=script.default_data_collator, drop_last=True)
     loss = script.evaluate(model, loader, results["max_eval_batches"])

@@ -1,0 +1,252 @@
+"""XlaFsdpTrainer against transformers' own XLA FSDP Trainer path: the same causal-LM training, the
+same TrainingArguments and fsdp_config (examples/xla_fsdp_config.json), each trainer in its own process.
+
+    PJRT_DEVICE=CPU python benchmarks/trainer_vs_stock.py [--steps 30] [--warmup 5] [--workdir DIR]
+
+"ours" is ``XlaFsdpTrainer(model=config)`` (meta init, block-by-block wrap); "stock" is
+``transformers.Trainer`` given ``AutoModelForCausalLM.from_config(config)`` built after ``set_seed``
+(as run_clm does), which it wraps with XLA FSDP at ``train()``. Each child measures host RSS (psutil,
+sampled every 5 ms, max per phase) for: construction (model + trainer), wrap (``train()`` start to
+``on_train_begin``: the stock path wraps and creates its optimizer here), the first step, the rest of
+training and the final ``save_model``; "model ready" = max(construction, wrap). Steady-state step time
+is the median ``on_step_end`` interval after the warm-up (logging_steps=1 syncs every step; no saves
+while timing); XLA compiles after the warm-up come from the ``CompileTime`` metric. The parent checks
+that both saved models load with ``from_pretrained`` without missing/unexpected keys and compares
+losses and final weights. Prints one JSON object (sizes in MiB).
+Targets: our steady step time within 10% of stock; 0 compiles after warm-up for ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+FSDP_CONFIG = ROOT / "examples" / "xla_fsdp_config.json"
+MIB = 2**20
+STOCK_FIX = ("transformers 5.23 never creates the optimizer on its XLA FSDP path (the wrapped model is not "
+             "self.model, so _prepare_for_training calls accelerator.prepare(None) and create_scheduler fails on "
+             "None.param_groups); StockTrainer._wrap_model sets self.model to the wrapped model and calls "
+             "create_optimizer(wrapped), so train() then takes the prepare(model)/prepare(optimizer) branch "
+             "the torch FSDP path takes. Also optim=adamw_torch for both "
+             "(fused AdamW has no XLA kernel).")
+
+
+class RssSampler(threading.Thread):
+    """Samples this process's RSS every ``interval`` seconds and keeps the maximum per named phase."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        import psutil
+
+        super().__init__(daemon=True)
+        self.proc, self.interval, self.phase, self.peaks = psutil.Process(), interval, "idle", {}
+
+    def sample(self) -> None:
+        """Record the current RSS against the current phase."""
+        rss = self.proc.memory_info().rss
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+
+    def set_phase(self, name: str) -> None:
+        """Close the current phase (one last sample) and start ``name``."""
+        self.sample()
+        self.phase = name
+        self.sample()
+
+    def run(self) -> None:
+        """Sample until the process exits."""
+        while True:
+            self.sample()
+            time.sleep(self.interval)
+
+
+def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Train with one trainer (``ours`` or ``stock``) and return its measurements."""
+    import torch
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    from run_clm import load_data, parse_args
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback,
+                              default_data_collator, set_seed)
+
+    from hf_xla_fsdp import XlaFsdpTrainer
+
+    torch.zeros(1, device=torch_xla.device()).cpu()  # start the XLA runtime before the baseline
+    sampler = RssSampler()
+    sampler.start()
+    sampler.set_phase("baseline")  # imports done, runtime started: the floor of both processes
+    compiles = lambda: int((met.metric_data("CompileTime") or [0])[0])  # noqa: E731
+
+    class StockTrainer(Trainer):
+        """transformers.Trainer plus the minimal fix of its XLA FSDP optimizer creation (see STOCK_FIX)."""
+
+        def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+            wrapped = super()._wrap_model(model, training, dataloader)
+            if training and wrapped is not model and self.optimizer is None:
+                self.model = wrapped
+                self.create_optimizer(wrapped)
+            return wrapped
+
+    class Timer(TrainerCallback):
+        """Step-end times, losses, compile counts and RSS phases of the training loop."""
+
+        def __init__(self) -> None:
+            self.step_ends: list[float] = []
+            self.losses: list[float] = []
+            self.compiles_at: dict[str, int] = {}
+
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            sampler.set_phase("first_step")
+            self.step_ends.append(time.perf_counter())
+
+        def on_step_end(self, a: Any, state: Any, *rest: Any, **k: Any) -> None:
+            self.step_ends.append(time.perf_counter())
+
+        def on_log(self, a: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))  # logged after the step's .item(): its graph ran
+                if state.global_step == 1:
+                    sampler.set_phase("train")
+                if state.global_step == args.warmup:
+                    self.compiles_at["warmup"] = compiles()
+                self.compiles_at["last_step"] = compiles()
+
+    out_dir = Path(args.workdir) / kind
+    argv = ["--output_dir", str(out_dir / "run"), "--fsdp", "--fsdp_config", str(FSDP_CONFIG),
+            "--max_steps", str(args.steps), "--per_device_train_batch_size", str(args.batch_size),
+            "--block_size", str(args.block_size), "--logging_steps", "1", "--save_strategy", "no",
+            "--optim", "adamw_torch", "--report_to", "none", "--disable_tqdm", "true", "--seed", "42"]
+    _, data_args, training_args = parse_args(argv)
+    sampler.set_phase("data")
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "examples" / "tiny_tokenizer")
+    train_ds, _ = load_data(data_args, tokenizer, training_args.seed)
+    config = AutoConfig.from_pretrained(Path(args.workdir) / "config")
+    timer = Timer()
+    common = dict(args=training_args, train_dataset=train_ds, processing_class=tokenizer,
+                  data_collator=default_data_collator, callbacks=[timer])
+
+    sampler.set_phase("construction")
+    start = time.perf_counter()
+    if kind == "ours":
+        trainer = XlaFsdpTrainer(model=config, **common)
+    else:
+        set_seed(training_args.seed)
+        trainer = StockTrainer(model=AutoModelForCausalLM.from_config(config), **common)
+    construction_s = time.perf_counter() - start
+    sampler.set_phase("wrap")
+    trainer.train()
+    sampler.set_phase("after_train")
+    compiles_end = compiles()
+
+    sampler.set_phase("save")
+    start = time.perf_counter()
+    trainer.save_model(str(out_dir / "model"))
+    save_s = time.perf_counter() - start
+    sampler.set_phase("done")
+
+    steps = [b - a for a, b in zip(timer.step_ends, timer.step_ends[1:])]
+    peaks = {k: round(v / MIB, 1) for k, v in sampler.peaks.items()}
+    return {
+        "baseline_rss_mib": peaks["baseline"], "construction_peak_mib": peaks["construction"],
+        "construction_s": round(construction_s, 2), "wrap_peak_mib": peaks["wrap"],
+        "first_step_peak_mib": peaks["first_step"], "train_peak_mib": peaks.get("train"),
+        "model_ready_peak_mib": max(peaks["construction"], peaks["wrap"]),
+        "save_peak_mib": peaks["save"], "save_s": round(save_s, 2),
+        "first_step_s": round(steps[0], 2), "step_times_s": [round(s, 3) for s in steps],
+        "steady_step_s": round(statistics.median(steps[args.warmup:]), 3),
+        "compiles_at_warmup": timer.compiles_at["warmup"],
+        "compiles_after_warmup": timer.compiles_at["last_step"] - timer.compiles_at["warmup"],
+        "compiles_after_train": compiles_end - timer.compiles_at["last_step"],
+        "losses": timer.losses, "model_dir": str(out_dir / "model"),
+    }
+
+
+def load_check(model_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load a saved model with from_pretrained: its loading info and its state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
+    bad = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    return {"loads": not bad, **bad}, model.state_dict()
+
+
+def main() -> None:
+    """Write the model config, run both children, load their outputs and print the comparison."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="steps excluded from the steady-state step time")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--intermediate-size", type=int, default=1376)
+    p.add_argument("--vocab-size", type=int, default=8192, help="the bundled tokenizer uses ids < 512")
+    p.add_argument("--workdir", default=None, help="default: a new temporary directory")
+    p.add_argument("--child", choices=["ours", "stock"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args)))
+        return
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    wall = time.perf_counter()
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="trainer_vs_stock-")
+    heads = max(1, args.hidden_size // 64)
+    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                         intermediate_size=args.intermediate_size, num_attention_heads=heads,
+                         num_key_value_heads=heads, max_position_embeddings=max(256, args.block_size),
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config.save_pretrained(Path(args.workdir) / "config")
+    with torch.device("meta"):
+        params = sum(t.numel() for t in AutoModelForCausalLM.from_config(config).parameters())
+
+    results = {}
+    for kind in ("ours", "stock"):
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "child"]
+        out = subprocess.run([sys.executable, __file__, "--child", kind, *flags], capture_output=True, text=True,
+                             env=dict(os.environ, PJRT_DEVICE="CPU"))
+        if out.returncode != 0:
+            raise SystemExit(f"{kind} failed:\n{out.stderr[-4000:]}")
+        results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
+    (ours_load, ours_sd), (stock_load, stock_sd) = (load_check(results[k]["model_dir"]) for k in ("ours", "stock"))
+    results["ours"]["load"], results["stock"]["load"] = ours_load, stock_load
+    weight_diff = max((ours_sd[k].float() - stock_sd[k].float()).abs().max().item() for k in ours_sd)
+
+    ours, stock = results["ours"], results["stock"]
+    ratio = lambda a, b: round(a / b, 3)  # noqa: E731
+    step_ratio = ratio(ours["steady_step_s"], stock["steady_step_s"])
+    report = {
+        "model": {"params": params, "fp32_mib": round(params * 4 / MIB, 1), "hidden_size": args.hidden_size,
+                  "layers": args.layers, "intermediate_size": args.intermediate_size, "vocab_size": args.vocab_size,
+                  "heads": heads, "batch_size": args.batch_size, "block_size": args.block_size,
+                  "steps": args.steps, "warmup": args.warmup},
+        "ours": ours, "stock": stock, "stock_fix": STOCK_FIX,
+        "comparison": {
+            "step_time_ratio_ours_over_stock": step_ratio,
+            "construction_rss_ratio_stock_over_ours": ratio(stock["construction_peak_mib"], ours["construction_peak_mib"]),
+            "model_ready_rss_ratio_stock_over_ours": ratio(stock["model_ready_peak_mib"], ours["model_ready_peak_mib"]),
+            "save_rss_ratio_stock_over_ours": ratio(stock["save_peak_mib"], ours["save_peak_mib"]),
+            "save_time_ratio_stock_over_ours": ratio(stock["save_s"], ours["save_s"]),
+            "loss_max_abs_diff": max(abs(a - b) for a, b in zip(ours["losses"], stock["losses"])),
+            "final_weights_max_abs_diff": weight_diff,
+            "target_step_time_within_10pct": step_ratio <= 1.10,
+            "target_ours_no_compiles_after_warmup": ours["compiles_after_warmup"] == 0,
+        },
+        "workdir": args.workdir, "wall_s": round(time.perf_counter() - wall, 1),
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""XlaFsdpTrainer: `examples/run_clm.py --fsdp --fsdp_config examples/xla_fsdp_config.json`, for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_xla_fsdp import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "run_clm.py"
+FSDP_JSON = ROOT / "examples" / "xla_fsdp_config.json"
+COMMON = ["--fsdp", "--fsdp_config", str(FSDP_JSON), "--max_steps", "20", "--save_steps", "10", "--logging_steps", "1",
+          "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
+          "--max_eval_samples", "16", "--seed", "7"]
+
+
+def run_clm(out: Path, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(SCRIPT), *COMMON, "--output_dir", str(out), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    history = json.loads((run_dir / "trainer_state.json").read_text())["log_history"]
+    return {e["step"]: e["loss"] for e in history if "loss" in e}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trainer") / "run"
+    res = run_clm(out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out
+
+
+def test_checkpoints_are_sharded_and_pickle_free(trained):
+    for step in (10, 20):
+        ckpt = trained / f"checkpoint-{step}"
+        names = {p.name for p in ckpt.iterdir()}
+        assert {"checkpoint_complete.json", "rank-00000-of-00001.safetensors", "rank-00000-of-00001.json",
+                "trainer_state.json", "config.json", "tokenizer.json"} <= names
+        assert not [n for n in names if n.endswith((".bin", ".pt", ".pth"))], names
+        meta = json.loads((ckpt / "rank-00000-of-00001.json").read_text())
+        assert meta["step"] == step and meta["optimizer"]["param_groups"] and meta["scheduler"]["last_epoch"] == step
+    assert not [p for p in trained.iterdir() if p.name.startswith(".")]  # no staging leftovers
+
+
+def test_resume_reproduces_the_uninterrupted_losses(trained, tmp_path):
+    import shutil
+
+    # a copy whose logged losses are marked: a run that silently restarted from scratch would not carry them
+    ckpt = tmp_path / "checkpoint-10"
+    shutil.copytree(trained / "checkpoint-10", ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    for entry in state["log_history"]:
+        entry["loss"] = -1.0
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    resumed = tmp_path / "resumed"
+    res = run_clm(resumed, "--resume_from_checkpoint", str(ckpt))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    full, again = losses(trained), losses(resumed)
+    assert sorted(again) == list(range(1, 21)) and {again[s] for s in range(1, 11)} == {-1.0}
+    assert json.loads((resumed / "checkpoint-20" / "trainer_state.json").read_text())["global_step"] == 20
+    for step in range(11, 21):
+        assert again[step] == pytest.approx(full[step], abs=1e-6), step
+    eval_full = json.loads((trained / "eval_results.json").read_text())["eval_loss"]
+    eval_again = json.loads((resumed / "eval_results.json").read_text())["eval_loss"]
+    assert eval_again == pytest.approx(eval_full, abs=1e-6)
+
+
+def test_output_dir_loads_with_from_pretrained(trained):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, info = AutoModelForCausalLM.from_pretrained(trained, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    assert (trained / "checkpoint-10").is_dir()  # the final save merged beside the checkpoints
+    # the from_pretrained model (fp32, CPU) evaluates like the trained FSDP model (bf16 compute on XLA)
+    sys.path.insert(0, str(SCRIPT.parent))
+    from clm_data import build_datasets
+
+    _, eval_ds = build_datasets(str(ROOT / "examples/data/tiny_corpus.txt"), tokenizer, block_size=64, seed=7)
+    batch = {k: torch.tensor(eval_ds[:16][k]) for k in ("input_ids", "attention_mask", "labels")}
+    with torch.no_grad():
+        loss = model(**{k: v[:8] for k, v in batch.items()}).loss + model(**{k: v[8:] for k, v in batch.items()}).loss
+    eval_loss = json.loads((trained / "eval_results.json").read_text())["eval_loss"]
+    assert float(loss) / 2 == pytest.approx(eval_loss, abs=0.02)
+    assert eval_loss < losses(trained)[1] - 1.0  # it learned
+    record = json.loads((trained / "xla_fsdp_training.json").read_text())
+    assert record["step"] == 20 and record["metrics"]["eval_loss"] == pytest.approx(eval_loss)
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(trained / "README.md")
+    assert card.data.model_name == "run" and f"{eval_loss:.4f}" in card.text
+
+
+# --------------------------------------------------------------------------- in-process behaviour
+def make_args(out: Path, fsdp_config, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(out), fsdp=True, fsdp_config=fsdp_config, max_steps=4, logging_steps=1,
+                per_device_train_batch_size=2, report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def token_dataset(n: int = 16, length: int = 16, vocab: int = 128):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (n, length), generator=g).tolist()
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * length] * n, "labels": ids})
+
+
+def test_meta_built_model_is_wrapped_once_and_introspected(tmp_path, llama_config):
+    import torch_xla.core.xla_model as xm
+
+    from hf_xla_fsdp import XlaFsdpTrainer
+    from hf_xla_fsdp.wrapping import fsdp_class, fsdp_units, unwrap
+
+    step_before = xm.optimizer_step
+    args = make_args(tmp_path, {"xla": True, "xla_fsdp_grad_ckpt": True, "meta_init": True}, weight_decay=0.1)
+    trainer = XlaFsdpTrainer(model=llama_config, args=args, train_dataset=token_dataset())
+    units = [name for name, _ in fsdp_units(trainer.model)]
+    assert len(units) == llama_config.num_hidden_layers + 1
+    assert not isinstance(trainer.model.module, fsdp_class())  # the root wraps the model, not another FSDP
+    assert trainer.label_names == ["labels"]  # from LlamaForCausalLM, not from the wrapper class
+    trainer.train()
+    assert [name for name, _ in fsdp_units(trainer.model)] == units  # train() did not wrap again
+    assert xm.optimizer_step is step_before  # unlike the stock path, nothing global is patched
+    # weight decay follows transformers' rule on the original names: norms never decay
+    from hf_xla_fsdp.trainer_glue import original_parameter_names
+
+    names = original_parameter_names(trainer.model)
+    decayed = {names[n] for n in trainer.get_decay_parameter_names(trainer.model)}
+    assert "model.layers.0.self_attn.q_proj.weight" in decayed and "lm_head.weight" in decayed
+    assert not [n for n in decayed if "norm" in n]
+    groups = trainer.optimizer.optimizer.param_groups
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0 and groups[1]["params"]
+    assert type(unwrap(trainer.model)).__name__ == "LlamaForCausalLM"
+
+
+def test_bad_settings_fail_with_the_problem_named(tmp_path, llama_config):
+    from hf_xla_fsdp import XlaFsdpTrainer
+
+    with pytest.raises(ConfigError, match='"xla": true'):
+        XlaFsdpTrainer(model=llama_config, args=make_args(tmp_path, {"transformer_layer_cls_to_wrap": "X"}))
+    with pytest.raises(ConfigError, match="unknown key 'meta_inti'"):
+        XlaFsdpTrainer(model=llama_config, args=make_args(tmp_path, {"xla": True, "meta_inti": True}))
+    with pytest.raises(ConfigError, match="checkpoint_format='zip' is not valid"):
+        XlaFsdpTrainer(model=llama_config, args=make_args(tmp_path, {"xla": True, "checkpoint_format": "zip"}))
+    with pytest.raises(ConfigError, match="NoSuchLayer"):
+        XlaFsdpTrainer(model=llama_config,
+                       args=make_args(tmp_path, {"xla": True, "transformer_layer_cls_to_wrap": ["NoSuchLayer"]}))
+
+
+def test_stock_checkpoint_is_refused_and_final_save_replaces_stale_weights(tmp_path, llama_config):
+    from transformers import AutoModelForCausalLM
+
+    from hf_xla_fsdp import XlaFsdpTrainer
+
+    out = tmp_path / "out"
+    stock = out / "checkpoint-2"
+    stock.mkdir(parents=True)
+    (stock / "rank0-of-1-pytorch_model.bin").write_bytes(b"")
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")  # an earlier, differently sharded save
+    (out / "notes.txt").write_text("mine")
+    args = make_args(out, {"xla": True, "consolidate_max_shard_size": "100KB"}, max_steps=2)
+    trainer = XlaFsdpTrainer(model=llama_config, args=args, train_dataset=token_dataset())
+    with pytest.raises(ConfigError, match="transformers' own XLA FSDP path"):
+        trainer.train(resume_from_checkpoint=str(stock))
+    trainer.train()
+    trainer.save_model()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 2 and files <= {p.name for p in out.glob("model-*.safetensors")}
+    assert {p.name for p in out.glob("model-*.safetensors")} == files  # stale shard removed
+    assert (out / "notes.txt").read_text() == "mine" and (stock / "rank0-of-1-pytorch_model.bin").exists()
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_sharded_plus_consolidated_checkpoints_load_and_resume(tmp_path, llama_config):
+    from transformers import AutoModelForCausalLM
+
+    from hf_xla_fsdp import XlaFsdpTrainer
+
+    cfg = {"xla": True, "checkpoint_format": "sharded+consolidated", "consolidate_dtype": "bfloat16"}
+    args = make_args(tmp_path / "a", cfg, save_strategy="steps", save_steps=2, max_steps=4)
+    trainer = XlaFsdpTrainer(model=llama_config, args=args, train_dataset=token_dataset())
+    trainer.train()
+    ckpt = tmp_path / "a" / "checkpoint-2"
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    first = losses(tmp_path / "a" / "checkpoint-4")
+    resumed = XlaFsdpTrainer(model=llama_config, args=make_args(tmp_path / "b", cfg, save_strategy="steps",
+                                                                 save_steps=2, max_steps=4),
+                             train_dataset=token_dataset())
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    again = {e["step"]: e["loss"] for e in resumed.state.log_history if "loss" in e}
+    assert again[3] == pytest.approx(first[3], abs=1e-6) and again[4] == pytest.approx(first[4], abs=1e-6)
