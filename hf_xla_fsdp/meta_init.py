@@ -104,6 +104,11 @@ def model_class(config: Any, model_cls: Any = None) -> Any:
     for name in getattr(config, "architectures", None) or ():
         if hasattr(transformers, name):
             return getattr(transformers, name)
+    if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
+        from .plugin import ConfigError
+
+        raise ConfigError(f"{type(config).__name__} names no model class and is not a causal LM: set "
+                          "config.architectures (e.g. ['ResNetForImageClassification']) or pass model_cls=")
     return transformers.AutoModelForCausalLM
 
 

@@ -89,3 +89,17 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: t
 def perplexity(loss: float) -> float:
     """``exp(loss)``, capped to stay finite for an untrained model."""
     return math.exp(min(loss, 50.0))
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: torch.device) -> tuple[float, torch.Tensor]:
+    """Classification accuracy of ``model`` over ``batches`` (with ``labels``), and its predictions (CPU)."""
+    was_training = model.training
+    model.eval()
+    preds = [model(**to_device({k: v for k, v in b.items() if k != "labels"}, device)).logits.argmax(-1)
+             for b in batches]
+    sync()
+    model.train(was_training)
+    predicted = torch.cat([p.cpu() for p in preds])
+    labels = torch.cat([b["labels"] for b in batches])
+    return float((predicted == labels).float().mean()), predicted

@@ -1,0 +1,71 @@
+"""The reference examples (MNIST-style digits, ImageNet-style image folder, 10B ViT recipe), run for real."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def run(*cmd, timeout=900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_digits_sharded_and_consolidated_accuracy(tmp_path):
+    out = tmp_path / "results.json"
+    res = run(EXAMPLES / "digits_fsdp_with_ckpt.py", "--batch_size", "64", "--drop_last", "--num_epochs", "5",
+              "--use_nested_fsdp", "--use_gradient_checkpointing", "--test_set_batch_size", "120",
+              "--ckpt_prefix", tmp_path / "final_ckpt", "--output_json", out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["plugin"]["sharding"] == "zero3" and results["plugin"]["activation_checkpointing"]
+    assert results["sharded_test_accuracy"] >= 0.97, results["accuracy_per_epoch"]
+    assert results["consolidated_test_accuracy"] >= 0.97
+    # the from_pretrained copy (fp32 on the host) classifies the 359 test digits like the sharded model
+    assert results["accuracies_match"]
+    assert abs(results["consolidated_test_accuracy"] - results["sharded_test_accuracy"]) < 1 / 359
+    assert (tmp_path / "final_ckpt" / "checkpoint_complete.json").is_file()
+    assert (tmp_path / "final_ckpt_consolidated" / "model.safetensors").is_file()
+
+
+def test_image_classification_few_steps_with_all_three_flags(tmp_path):
+    folder = tmp_path / "digits"
+    res = run(EXAMPLES / "image_data.py", "--make_imagefolder", folder, "--image_size", "16")
+    assert res.returncode == 0, res.stderr
+    assert len(list((folder / "train").iterdir())) == 10 and (folder / "validation" / "3").is_dir()
+    out = tmp_path / "results.json"
+    res = run(EXAMPLES / "image_classification_fsdp.py", "--datadir", folder, "--model", "resnet-tiny",
+              "--image_size", "16", "--batch_size", "16", "--test_set_batch_size", "64", "--num_epochs", "1",
+              "--max_steps", "12", "--log_steps", "4", "--lr", "0.1", "--num_warmup_epochs", "0.05",
+              "--use_nested_fsdp", "--use_gradient_checkpointing", "--compute_dtype", "bfloat16",
+              "--ckpt_prefix", tmp_path / "ckpt", "--output_json", out)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    results = json.loads(out.read_text())
+    plugin = results["plugin"]
+    assert plugin["sharding"] == "zero3" and plugin["activation_checkpointing"] and plugin["compute_dtype"] == "bfloat16"
+    losses = [results["losses"][k] for k in sorted(results["losses"], key=int)]
+    assert results["steps"] == 12 and len(losses) == 3 and losses[-1] < losses[0]
+    assert 0.0 <= results["accuracy"]["1"] <= 1.0
+    assert (tmp_path / "ckpt" / "checkpoint_complete.json").is_file()
+
+
+def test_build_large_model_plan_and_small_build():
+    res = run(EXAMPLES / "build_large_model.py", "--preset", "vit-10b", "--world_size", "256")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert 9.5e9 < plan["total_params"] < 1.0e10 and plan["num_units"] == 49
+    assert plan["total_bytes"] / 256 <= plan["bytes_per_rank"] < plan["total_bytes"] / 256 * 1.01
+    res = run(EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--world_size", "4", "--build")
+    assert res.returncode == 0, res.stderr
+    built = json.loads(res.stdout[res.stdout.index("{"):])
+    assert built["built_world_size"] == 4
+    # rank 0 holds a quarter of the parameters (plus padding to a multiple of 128 per tensor)
+    assert built["total_bytes"] / 4 <= built["rank_param_mib"] * 2**20 * 1.001 < built["total_bytes"] / 4 * 1.2
+    assert built["peak_rss_mib"] >= built["rss_before_build_mib"]
