@@ -51,6 +51,7 @@ class RssSampler(threading.Thread):
     """Samples this process's RSS every ``interval`` seconds and keeps the maximum per named phase."""
 
     def __init__(self, interval: float = 0.005) -> None:
+        """A daemon sampler of this process; call ``start()``."""
         import psutil
 
         super().__init__(daemon=True)
@@ -95,6 +96,7 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         """transformers.Trainer plus the minimal fix of its XLA FSDP optimizer creation (see STOCK_FIX)."""
 
         def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+            """The stock wrap, then the optimizer over the wrapped model's parameters."""
             # Stock 5.23 delays optimizer creation for XLA FSDP, then finds the wrapped model is not
             # self.model and only calls accelerator.prepare(self.optimizer) with optimizer None: create it here.
             wrapped = super()._wrap_model(model, training, dataloader)
@@ -107,6 +109,7 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         """Step-end times, losses, compile counts and RSS phases of the training loop."""
 
         def __init__(self) -> None:
+            """Empty records."""
             self.step_ends: list[float] = []
             self.step_cpu: list[float] = []  # process CPU time (all threads): less sensitive to other load
             self.losses: list[float] = []
@@ -114,16 +117,19 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
             self.train_begin = 0.0
 
         def on_train_begin(self, *a: Any, **k: Any) -> None:
+            """Model wrapped, optimizer made: the wrap phase ends and the first step begins."""
             sampler.set_phase("first_step")
             self.step_ends.append(time.perf_counter())
             self.step_cpu.append(time.process_time())
             self.train_begin = time.perf_counter()
 
         def on_step_end(self, a: Any, state: Any, *rest: Any, **k: Any) -> None:
+            """Time and CPU time at the end of each optimizer step."""
             self.step_ends.append(time.perf_counter())
             self.step_cpu.append(time.process_time())
 
         def on_log(self, a: Any, state: Any, control: Any, logs: dict | None = None, **k: Any) -> None:
+            """The step's loss (already synced), phase changes and compile counts."""
             if logs and "loss" in logs:
                 self.losses.append(float(logs["loss"]))  # logged after the step's .item(): its graph ran
                 if state.global_step == 1:

@@ -68,8 +68,35 @@ class OutputTensor:
         return flat.view(self.shape).to(self.dtype)
 
 
-def plan_outputs(ranks: RankSet) -> list[OutputTensor]:
+@dataclass
+class SpmdOutputTensor:
+    """One tensor of the consolidated model saved by FSDP v2: its pieces, with their offsets, in the rank files."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    entry: dict[str, Any]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    def read(self, ranks: RankSet) -> torch.Tensor:
+        """Assemble this tensor from its pieces (only those bytes are read)."""
+        from .checkpoint import read_spmd_tensor
+
+        return read_spmd_tensor(self.entry).to(self.dtype)
+
+
+def plan_outputs(ranks: RankSet) -> list[Any]:
     """Every tensor of the full model, in rank 0's order, from the shard metadata alone."""
+    if ranks.engine == "spmd":
+        from .checkpoint import spmd_entries
+        from .spmd import dtype_from_name
+
+        return [SpmdOutputTensor(name[len(MODEL_PREFIX):], tuple(e["shape"]), dtype_from_name(e["dtype"]), e)
+                for name, e in spmd_entries(ranks.files).items() if name.startswith(MODEL_PREFIX)]
     md = ranks.shard_metadata
     first = ranks.files[0]
     buffer_info = md.get("buffer_info", {})
@@ -158,6 +185,8 @@ def training_info(ranks: RankSet) -> dict[str, Any]:
     meta = ranks.meta
     if not meta:
         return {"engine": "xla_fsdp_v1", "world_size": ranks.world_size}
+    engine = "xla_fsdp_v2" if ranks.engine == "spmd" else "xla_fsdp_v1"
+    world = meta.get("devices", ranks.world_size) if ranks.engine == "spmd" else ranks.world_size
     extra = meta.get("extra") or {}
     losses = extra.get("losses") or {}
     metrics = {}
@@ -166,7 +195,7 @@ def training_info(ranks: RankSet) -> dict[str, Any]:
     for key in ("eval_loss", "eval_dataset"):
         if key in extra:
             metrics[key] = extra[key]
-    return {"engine": "xla_fsdp_v1", "world_size": ranks.world_size, "step": meta.get("step"),
+    return {"engine": engine, "world_size": world, "step": meta.get("step"),
             "plugin": meta.get("plugin"), "metrics": metrics}
 
 

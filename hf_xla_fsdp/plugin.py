@@ -118,6 +118,9 @@ class XlaFsdpPlugin:
     sharding_groups: Optional[list[list[int]]] = None
     sharding_rank: Optional[int] = None
     sharding_world_size: Optional[int] = None
+    # FSDP v2 (SPMD): devices form a (replica_size, N / replica_size) mesh; parameters are split over
+    # the second ("fsdp") axis and replicated over the first (hybrid sharding when > 1)
+    replica_size: int = 1
     # saving: what a Trainer checkpoint holds, and the dtype / file size of consolidated models
     checkpoint_format: str = "sharded"
     consolidate_dtype: str = "auto"
@@ -137,14 +140,20 @@ class XlaFsdpPlugin:
         "coalesce_all_gather_ops", "sharding_groups", "sharding_rank", "sharding_world_size",
     )
 
+    _V1_ONLY = (
+        "fp32_reduce_scatter", "reshard_after_forward", "flatten_parameters", "execute_sharding_on_init",
+        "optimization_barrier_in_forward", "optimization_barrier_in_backward", "sync_on_finalization",
+        "disable_reshard_on_root", "shard_param_on_dim_0", "pin_layout_in_collective_ops",
+        "reduce_scatter_bucket_size_mb", "coalesce_all_gather_ops", "sharding_groups", "sharding_rank",
+        "sharding_world_size",
+    )
+
     def __post_init__(self) -> None:
         self.version = _parse_int(self.version, "version", 1)
-        if self.version == 2:
-            raise ConfigError(
-                "version=2 (FSDP v2 / SPMD, xla_fsdp_v2) is not available in this release; use version=1"
-            )
-        if self.version != 1:
-            raise ConfigError(f"version={self.version!r} is not valid; allowed values: 1")
+        if self.version not in (1, 2):
+            raise ConfigError(f"version={self.version!r} is not valid; allowed values: 1 (XlaFullyShardedDataParallel), "
+                              "2 (SPMD, SpmdFullyShardedDataParallel)")
+        self.replica_size = _parse_int(self.replica_size, "replica_size", 1)
         for name in self._BOOL_FIELDS:
             setattr(self, name, _parse_bool(getattr(self, name), name))
         self.min_num_params = _parse_int(self.min_num_params, "min_num_params", 0)
@@ -180,6 +189,8 @@ class XlaFsdpPlugin:
         _check_shard_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
         self.compute_dtype = parse_dtype(self.compute_dtype, "compute_dtype")
         self.buffer_dtype = parse_dtype(self.buffer_dtype, "buffer_dtype")
+        if self.version == 2:
+            self._check_v1_only()
         group = (self.sharding_groups, self.sharding_rank, self.sharding_world_size)
         if any(v is not None for v in group) and not all(v is not None for v in group):
             raise ConfigError(
@@ -192,6 +203,17 @@ class XlaFsdpPlugin:
                 raise ConfigError(
                     f"sharding_rank={self.sharding_rank} must be below sharding_world_size={self.sharding_world_size}"
                 )
+
+    def _check_v1_only(self) -> None:
+        if self.compute_dtype is not None or self.buffer_dtype is not None:
+            raise ConfigError("compute_dtype/buffer_dtype are not available with version=2: SpmdFullyShardedDataParallel "
+                              "has no mixed precision and XLA autocast fails in SDPA attention on torch_xla 2.9; "
+                              "remove them (parameters and compute stay fp32) or use version=1")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [n for n in self._V1_ONLY if getattr(self, n) != defaults[n]]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to version=1 "
+                              "(XlaFullyShardedDataParallel) only; remove it for version=2")
 
     # ------------------------------------------------------------------ readers
     @classmethod

@@ -231,7 +231,8 @@ class SafetensorsRankFile(RankFile):
             raise CheckpointError(f"{meta_path} is missing: the rank file {path.name} has no metadata") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{meta_path} is truncated or corrupted ({err})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or "shard_metadata" not in meta:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or (
+                "shard_metadata" not in meta and meta.get("engine") != "spmd"):
             raise CheckpointError(f"{meta_path} is not an hf_xla_fsdp rank file (format {FORMAT} expected)")
         expected_size = meta.get("tensor_file_bytes")
         if expected_size is not None and path.stat().st_size != expected_size:
@@ -240,7 +241,10 @@ class SafetensorsRankFile(RankFile):
             self._reader = SafetensorsReader(path)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
-        md = decode_shard_metadata(meta["shard_metadata"])
+        if meta.get("engine") == "spmd":  # FSDP v2: per-tensor pieces in meta["tensors"], no FSDP v1 layout
+            md = {"rank": int(meta["rank"]), "world_size": int(meta["world_size"]), "engine": "spmd"}
+        else:
+            md = decode_shard_metadata(meta["shard_metadata"])
         super().__init__(path, md["rank"], md["world_size"], md, meta)
 
     def names(self) -> list[str]:
@@ -349,8 +353,11 @@ class RankSet:
         self.world_size = world
         self.source = source
         self.marker = marker or {}
-        ref = _structure(self.files[0].shard_metadata)
-        for f in self.files[1:]:
+        self.engine = self.files[0].meta.get("engine", "xla_fsdp_v1") if self.files[0].meta else "xla_fsdp_v1"
+        if any((f.meta or {}).get("engine", "xla_fsdp_v1") != self.engine for f in self.files):
+            raise CheckpointError(f"the rank files of {source} come from different FSDP engines")
+        ref = _structure(self.files[0].shard_metadata) if self.engine != "spmd" else None
+        for f in self.files[1:] if ref is not None else []:
             if _structure(f.shard_metadata) != ref:
                 raise CheckpointError(
                     f"{f.path.name} and {self.files[0].path.name} come from different runs (their shard layouts differ)")

@@ -20,13 +20,27 @@ def fsdp_class() -> type:
     return XlaFullyShardedDataParallel
 
 
+def fsdp_classes() -> tuple[type, ...]:
+    """The FSDP unit classes of both engines: v1 ``XlaFullyShardedDataParallel``, v2 ``SpmdFullyShardedDataParallel``."""
+    from .spmd import spmd_class
+
+    return fsdp_class(), spmd_class()
+
+
 def is_wrapped(model: nn.Module) -> bool:
-    """True when ``model`` or any submodule is already an XLA FSDP unit."""
+    """True when ``model`` or any submodule is already an XLA FSDP unit (either engine)."""
     try:
-        cls = fsdp_class()
+        classes = fsdp_classes()
     except ImportError:
         return False
-    return any(isinstance(m, cls) for m in model.modules())
+    return any(isinstance(m, classes) for m in model.modules())
+
+
+def is_v2(model: nn.Module) -> bool:
+    """True when ``model`` is (or holds) an FSDP v2 (SPMD) unit."""
+    from .spmd import spmd_class
+
+    return any(isinstance(m, spmd_class()) for m in model.modules())
 
 
 def _wrap_policy(model: nn.Module, plugin: XlaFsdpPlugin) -> Callable[..., bool]:
@@ -79,6 +93,10 @@ def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
 
 def wrap_block(block: nn.Module, plugin: XlaFsdpPlugin, nested: bool) -> nn.Module:
     """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``."""
+    if plugin.version == 2:
+        from . import spmd
+
+        return spmd.wrap_block(block, plugin, nested)
     if plugin.activation_checkpointing:
         from torch_xla.distributed.fsdp import checkpoint_module
 
@@ -90,6 +108,10 @@ def wrap_block(block: nn.Module, plugin: XlaFsdpPlugin, nested: bool) -> nn.Modu
 
 def wrap_root(model: nn.Module, plugin: XlaFsdpPlugin) -> nn.Module:
     """The outer FSDP unit: shards every parameter no inner unit owns."""
+    if plugin.version == 2:
+        from . import spmd
+
+        return spmd.wrap_root(model, plugin)
     if getattr(model.config, "use_cache", False) and plugin.activation_checkpointing:
         model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
     return fsdp_class()(model, **plugin.fsdp_kwargs())
@@ -99,7 +121,7 @@ def check_not_wrapped(model: nn.Module) -> None:
     """Refuse a model that already holds XLA FSDP units: wrapping twice would shard shards."""
     if is_wrapped(model):
         raise ConfigError(
-            f"{type(model).__name__} is already wrapped with XlaFullyShardedDataParallel; "
+            f"{type(model).__name__} is already wrapped with XLA FSDP; "
             "pass the unwrapped model to XlaFsdpPlugin.wrap (or use it as it is)"
         )
 
@@ -116,10 +138,10 @@ def wrap_model(model: nn.Module, plugin: XlaFsdpPlugin) -> nn.Module:
 
 
 def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(name, unit)`` for every XLA FSDP unit in ``model`` (the root has name ``""``)."""
-    cls = fsdp_class()
+    """``(name, unit)`` for every XLA FSDP unit in ``model``, either engine (the root has name ``""``)."""
+    classes = fsdp_classes()
     for name, module in model.named_modules():
-        if isinstance(module, cls):
+        if isinstance(module, classes):
             yield name, module
 
 
@@ -127,7 +149,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside an FSDP unit (and its parameter-flattening wrapper), or ``model``."""
     from torch_xla.distributed.fsdp.xla_flatten_params_wrapper import XlaFlattenParamsWrapper
 
-    cls = fsdp_class()
-    while isinstance(model, (cls, XlaFlattenParamsWrapper)):
+    classes = (*fsdp_classes(), XlaFlattenParamsWrapper)
+    while isinstance(model, classes):
         model = model.module
     return model
