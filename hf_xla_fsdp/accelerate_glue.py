@@ -135,11 +135,18 @@ class XlaFsdpAccelerator(Accelerator):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
-        """Clip with the FSDP root's ``clip_grad_norm_``, whose norm spans the shards of every rank."""
+        """Clip with the FSDP root's ``clip_grad_norm_``, whose norm spans the shards of every rank.
+
+        FSDP v2 parameters are single logical tensors, so torch's own clipping already sees all of them.
+        """
+        from .wrapping import is_v2
+
         params = [id(p) for p in parameters]
         for model in self._models:
             if params == [id(p) for p in model.parameters()]:
                 self.gradient_state.is_xla_gradients_synced = True
+                if is_v2(model):
+                    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
                 return model.clip_grad_norm_(max_norm, norm_type)
         raise ConfigError("clip_grad_norm_ on an XLA FSDP model needs the prepared model's model.parameters()")
 

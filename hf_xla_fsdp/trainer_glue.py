@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 import os
 import re
@@ -51,10 +52,43 @@ def plugin_from_training_args(args: TrainingArguments) -> XlaFsdpPlugin:
     return XlaFsdpPlugin.from_fsdp_config(fsdp_config)
 
 
+def enable_spmd_if_configured(argv: Optional[list[str]] = None) -> bool:
+    """Start SPMD when the command line's ``--fsdp_config`` asks for FSDP v2; returns whether it did.
+
+    Call it before ``TrainingArguments`` exist: building them starts accelerate's process state,
+    which under multi-device XLA would otherwise count one process per device and synchronize them.
+    """
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    value = None
+    for i, arg in enumerate(argv):
+        if arg in ("--fsdp_config", "--fsdp-config") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(("--fsdp_config=", "--fsdp-config=")):
+            value = arg.split("=", 1)[1]
+    if value is None:
+        return False
+    from .plugin import read_settings_file
+
+    settings = read_settings_file(value, "fsdp_config", json.load, json.JSONDecodeError, "JSON") \
+        if not value.lstrip().startswith("{") else json.loads(value)
+    if not (settings.get("xla_fsdp_v2") or str(settings.get("version", "1")) == "2"):
+        return False
+    from .spmd import enable_spmd
+
+    enable_spmd()
+    return True
+
+
 def original_parameter_names(model: nn.Module) -> dict[str, str]:
     """FSDP parameter name -> the user's parameter name (a flattened group maps to its first member)."""
     from .consolidate import clean_name
+    from .spmd import clean_name as clean_v2
+    from .wrapping import is_v2
 
+    if is_v2(model):  # FSDP v2 keeps every parameter whole in name: only the wrapper prefix goes
+        return {name: clean_v2(name) for name, _ in model.named_parameters()}
     shard_info = model.get_shard_metadata()["shard_info"]
     out = {}
     for name, _ in model.named_parameters():
@@ -89,6 +123,16 @@ class XlaFsdpTrainer(Trainer):
         if args is None:
             raise ConfigError("XlaFsdpTrainer needs TrainingArguments with --fsdp and --fsdp_config (\"xla\": true)")
         self.xla_fsdp_plugin = fsdp_plugin or plugin_from_training_args(args)
+        if self.xla_fsdp_plugin.version == 2:
+            import torch_xla.runtime as xr
+
+            from .spmd import enable_spmd
+
+            if not xr.is_spmd() and args.world_size > 1:
+                raise ConfigError("FSDP v2 needs SPMD before TrainingArguments are built (they counted "
+                                  f"{args.world_size} processes): call hf_xla_fsdp.spmd.enable_spmd() or "
+                                  "hf_xla_fsdp.trainer_glue.enable_spmd_if_configured() first")
+            enable_spmd()  # one process drives every device; must precede the first XLA tensor
         optim = str(getattr(args.optim, "value", args.optim))
         if optim in _FUSED_OPTIMIZERS:
             # torch's fused AdamW has no XLA kernel; the same update unfused compiles into the step graph
@@ -98,6 +142,32 @@ class XlaFsdpTrainer(Trainer):
             model = self._materialize(model, args)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._inspect_inner_model()
+        if self.xla_fsdp_plugin.version == 2:
+            from .spmd import get_mesh
+
+            # the stock v2 path set its own ("fsdp", "tensor") mesh and would shard batches on it; ours
+            # shards batches over every device (hybrid meshes included) in the dataloaders below
+            self.is_fsdp_xla_v2_enabled = self.is_fsdp_xla_v1_enabled = False
+            self._mesh = get_mesh(self.xla_fsdp_plugin)
+
+    def _shard_inputs(self, loader: Any) -> Any:
+        from .spmd import input_sharding
+
+        if self.xla_fsdp_plugin.version == 2 and hasattr(loader, "_parallel_loader_kwargs"):
+            loader._parallel_loader_kwargs["input_sharding"] = input_sharding(self._mesh)
+        return loader
+
+    def get_train_dataloader(self) -> Any:
+        """Trainer's loader; with FSDP v2 its batches are split over every device."""
+        return self._shard_inputs(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Trainer's loader; with FSDP v2 its batches are split over every device."""
+        return self._shard_inputs(super().get_eval_dataloader(eval_dataset))
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """Trainer's loader; with FSDP v2 its batches are split over every device."""
+        return self._shard_inputs(super().get_test_dataloader(test_dataset))
 
     def _inspect_inner_model(self) -> None:
         """Label names and loss support from the transformers model, not from its FSDP wrapper's class."""
@@ -241,7 +311,7 @@ class XlaFsdpTrainer(Trainer):
 
             self.state.save_to_json(str(stage / TRAINER_STATE_NAME))
             self._save_side_files(stage)
-            world = int(self.model.get_shard_metadata()["world_size"])
+            world = self._world_size()
             mark_complete(output_dir, world)
             if self.xla_fsdp_plugin.checkpoint_format == "sharded+consolidated":
                 self._consolidate_into(stage, stage)
@@ -255,6 +325,14 @@ class XlaFsdpTrainer(Trainer):
 
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _world_size(self) -> int:
+        """Rank files per checkpoint: FSDP v1 ranks, or SPMD processes for v2."""
+        import torch_xla.runtime as xr
+
+        if self.xla_fsdp_plugin.version == 2:
+            return xr.process_count()
+        return int(self.model.get_shard_metadata()["world_size"])
 
     def _save_side_files(self, directory: Path) -> None:
         """config.json, generation_config.json, tokenizer and training_args.json of the run."""
