@@ -80,7 +80,8 @@ def describe(model) -> dict:
     return {"units": list(units), "num_units": len(units),
             # FSDP forwards attribute lookups to the module it wraps: look in each module's own __dict__
             "checkpointed_blocks": sum("_xla_checkpointed_forward_original" in m.__dict__ for m in model.modules()),
-            "compute_dtype": str(next(iter(units.values())).compute_dtype), "model": type(unwrap(model)).__name__}
+            "compute_dtype": str(getattr(next(iter(units.values())), "compute_dtype", None) or torch.float32),
+            "model": type(unwrap(model)).__name__}
 
 
 def log(accelerator, message: str) -> None:

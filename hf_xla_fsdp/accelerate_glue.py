@@ -81,8 +81,12 @@ def plugin_from_accelerate_launch() -> XlaFsdpPlugin:
             "no accelerate config found: run under `accelerate launch --config_file xla_fsdp.yaml`, set "
             f"{ENV_CONFIG}, or pass fsdp_plugin=XlaFsdpPlugin(...)")
     plugin = XlaFsdpPlugin.from_accelerate_config(path)
-    distributed = read_accelerate_yaml(path).get("distributed_type", "XLA")
-    if str(distributed).upper() not in ("XLA", "TPU"):
+    distributed = str(read_accelerate_yaml(path).get("distributed_type", "XLA")).upper()
+    if plugin.version == 2 and distributed != "NO":
+        # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
+        raise ConfigError(f"distributed_type={distributed!r} in {path}: FSDP v2 (SPMD) drives every device from one "
+                          "process; set distributed_type: NO and num_processes: 1 (see examples/xla_fsdp_v2.yaml)")
+    if plugin.version == 1 and distributed not in ("XLA", "TPU"):
         raise ConfigError(f"distributed_type={distributed!r} in {path}: XLA FSDP needs distributed_type: XLA")
     return plugin
 
@@ -93,6 +97,10 @@ class XlaFsdpAccelerator(Accelerator):
     def __init__(self, *args: Any, fsdp_plugin: Optional[XlaFsdpPlugin] = None, **kwargs: Any) -> None:
         # settings first: a bad fsdp_config must fail before anything else starts
         plugin = fsdp_plugin or plugin_from_accelerate_launch()
+        if plugin.version == 2:
+            from .spmd import enable_spmd
+
+            enable_spmd()  # before accelerate's state looks at the devices: one process, every device
         super().__init__(*args, **kwargs)
         self.xla_fsdp_plugin = plugin
 
@@ -125,6 +133,19 @@ class XlaFsdpAccelerator(Accelerator):
         if len(self._models) != 1:
             raise ConfigError(f"expected exactly one prepared FSDP model, found {len(self._models)}")
         return self._models[0]
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None,
+                            slice_fn_for_dispatch: Any = None) -> Any:
+        """accelerate's loader; with FSDP v2 every batch is split over all devices on its way in."""
+        loader = super().prepare_data_loader(data_loader, device_placement=device_placement,
+                                             slice_fn_for_dispatch=slice_fn_for_dispatch)
+        if self.xla_fsdp_plugin.version == 2:
+            from .spmd import get_mesh, input_sharding
+
+            if not hasattr(loader, "_parallel_loader_kwargs"):
+                raise ConfigError("FSDP v2 needs accelerate's XLA device loader to split batches over the devices")
+            loader._parallel_loader_kwargs["input_sharding"] = input_sharding(get_mesh(self.xla_fsdp_plugin))
+        return loader
 
     # ----------------------------------------------------------------- gradients
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

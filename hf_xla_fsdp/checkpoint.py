@@ -119,6 +119,9 @@ def write_rank_file(
     stage.mkdir(parents=True, exist_ok=True)
     sync()  # pending updates land before reading values
     if is_v2(model):
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()  # shard placements can only be read once no computation is in flight
         specs, produce, engine_meta = _spmd_tensors(model, optimizer)
     else:
         specs, produce, engine_meta = _v1_tensors(model, optimizer)
