@@ -22,8 +22,8 @@ SCRIPT = ROOT / "examples" / "train_clm_accelerate.py"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 
 
-def launch(config: Path, out: Path, *args, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false")
+def launch(config: Path, out: Path, *args, timeout: int = 900, devices: int = 1) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", CPU_NUM_DEVICES=str(devices))
     env.pop(ENV_CONFIG, None)
     cmd = [str(ACCELERATE), "launch", "--config_file", str(config), str(SCRIPT), "--output_dir", str(out), *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -180,3 +180,28 @@ def test_gradient_accumulation_clip_and_step_match_plain_fsdp():
         torch.testing.assert_close(got[key], expected[key], atol=1e-6, rtol=1e-5, msg=key)
     with pytest.raises(ConfigError, match="create it after the model is wrapped"):
         accelerator.prepare(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+
+
+def test_v2_spmd_on_four_devices(tmp_path):
+    out = tmp_path / "v2"
+    res = launch(ROOT / "examples" / "xla_fsdp_v2.yaml", out, "--max_train_steps", "20", "--checkpointing_steps", "10",
+                 devices=4)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    structure = json.loads((out / "fsdp_structure.json").read_text())
+    assert structure["num_units"] == 5 and structure["checkpointed_blocks"] == 4
+    results = json.loads((out / "results.json").read_text())
+    assert results["eval_loss"] < results["initial_eval_loss"] - 1.0
+    # fp32 on 4 sharded devices vs fp32 on the host after consolidation
+    assert abs(results["final_eval_loss"] - results["eval_loss"]) < 1e-4
+    meta = json.loads((out / "step_10" / "rank-00000-of-00001.json").read_text())
+    assert meta["engine"] == "spmd" and meta["devices"] == 4
+
+
+def test_v2_yaml_must_not_use_the_xla_launcher(tmp_path, monkeypatch):
+    cfg = yaml.safe_load((ROOT / "examples" / "xla_fsdp_v2.yaml").read_text())
+    cfg["distributed_type"] = "XLA"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv(ENV_CONFIG, str(path))
+    with pytest.raises(ConfigError, match="FSDP v2 \\(SPMD\\) drives every device from one process"):
+        plugin_from_accelerate_launch()

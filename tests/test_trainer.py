@@ -21,9 +21,11 @@ COMMON = ["--fsdp", "--fsdp_config", str(FSDP_JSON), "--max_steps", "20", "--sav
           "--max_eval_samples", "16", "--seed", "7"]
 
 
-def run_clm(out: Path, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(SCRIPT), *COMMON, "--output_dir", str(out), *extra]
+def run_clm(out: Path, *extra: str, timeout: int = 900, devices: int = 1, fsdp_json: Path = FSDP_JSON
+            ) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", CPU_NUM_DEVICES=str(devices))
+    common = [str(fsdp_json) if c == str(FSDP_JSON) else c for c in COMMON]
+    cmd = [sys.executable, str(SCRIPT), *common, "--output_dir", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -99,6 +101,25 @@ def test_output_dir_loads_with_from_pretrained(trained):
 
     card = ModelCard.load(trained / "README.md")
     assert card.data.model_name == "run" and f"{eval_loss:.4f}" in card.text
+
+
+def test_v2_spmd_on_four_devices_resumes_exactly(tmp_path):
+    v2_json = ROOT / "examples" / "xla_fsdp_v2_config.json"
+    first = tmp_path / "first"
+    res = run_clm(first, devices=4, fsdp_json=v2_json)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    meta = json.loads((first / "checkpoint-10" / "rank-00000-of-00001.json").read_text())
+    assert meta["engine"] == "spmd" and meta["devices"] == 4 and meta["plugin"]["version"] == 2
+    resumed = tmp_path / "resumed"
+    res = run_clm(resumed, "--resume_from_checkpoint", str(first / "checkpoint-10"), devices=4, fsdp_json=v2_json)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    full, again = losses(first), losses(resumed)
+    assert all(again[s] == pytest.approx(full[s], abs=1e-6) for s in range(11, 21))
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(first, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert json.loads((first / "xla_fsdp_training.json").read_text())["engine"] == "xla_fsdp_v2"
 
 
 # --------------------------------------------------------------------------- in-process behaviour

@@ -1,0 +1,106 @@
+"""Runs FSDP v2 (SPMD) scenarios in a fresh process with ``CPU_NUM_DEVICES`` devices; prints one JSON line.
+
+SPMD mode and the device count are fixed per process, so tests/test_spmd.py starts this script as
+``python tests/spmd_worker.py MODE [--replicas R] [--out DIR]`` with the environment it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from conftest import tiny_llama  # noqa: E402
+from hf_xla_fsdp import XlaFsdpPlugin, spmd  # noqa: E402
+from hf_xla_fsdp.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from hf_xla_fsdp.train import arithmetic_lm_batches, train_step  # noqa: E402
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
+
+
+def build(plugin: XlaFsdpPlugin, seed: int = 0) -> torch.nn.Module:
+    """The tiny Llama, built on meta and sharded block by block with ``plugin``."""
+    torch.manual_seed(seed)
+    return plugin.build(tiny_llama(**CONFIG), progress=False)
+
+
+def steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list, mesh) -> list[float]:
+    """Train on ``batches`` (split over every device); the losses."""
+    import torch_xla
+
+    device = torch_xla.device()
+    return [train_step(model, spmd.shard_batch({k: v.to(device) for k, v in b.items()}, mesh), optimizer).item()
+            for b in batches]
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor, mesh) -> torch.Tensor:
+    """Eval-mode logits of ``ids`` on the host."""
+    import torch_xla
+
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=spmd.shard_batch({"i": ids.to(torch_xla.device())}, mesh)["i"]).logits.cpu()
+    model.train()
+    return out
+
+
+def main() -> None:
+    """Run one scenario."""
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["shard", "train", "roundtrip"])
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    import torch_xla.runtime as xr
+
+    plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, replica_size=args.replicas)
+    model = build(plugin)
+    mesh = spmd.get_mesh(plugin)
+    report: dict = {"devices": xr.global_runtime_device_count(), "mesh": list(mesh.mesh_shape)}
+    data = list(zip(range(8), arithmetic_lm_batches(128, 16, 8, seed=3)))
+    batches = [b for _, b in data]
+    if args.mode == "shard":
+        report["specs"] = {spmd.clean_name(n): spmd.sharding_spec(p) for n, p in model.named_parameters()}
+        report["device_bytes"] = spmd.device_bytes(model)
+        report["total_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        report["units"] = sum(isinstance(m, spmd.spmd_class()) for m in model.modules())
+    elif args.mode == "train":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        report["losses"] = steps(model, optimizer, batches[:6], mesh)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        from hf_xla_fsdp.consolidate import consolidate
+
+        out = Path(args.out)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        first = steps(model, optimizer, batches[:3], mesh)
+        save_checkpoint(out / "ckpt", model, optimizer, step=3, plugin=plugin)
+        report["continued"] = steps(model, optimizer, batches[3:6], mesh)
+        resumed = build(plugin, seed=1)  # different weights until the checkpoint is loaded
+        resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+        info = load_checkpoint(out / "ckpt", resumed, resumed_opt)
+        report["step"] = info["step"]
+        report["state_specs_sharded"] = all(
+            spmd.sharding_spec(v) for s in resumed_opt.state.values() for k, v in s.items() if k != "step")
+        ids = batches[7]["input_ids"]
+        sharded_logits = logits(resumed, ids, mesh)
+        report["resumed"] = steps(resumed, resumed_opt, batches[3:6], mesh)
+        report["first"] = first
+        consolidate(out / "ckpt", out / "final", progress=False)
+        full, info = AutoModelForCausalLM.from_pretrained(out / "final", output_loading_info=True)
+        report["loading_info"] = {k: sorted(v) for k, v in info.items() if k != "error_msgs"}
+        with torch.no_grad():
+            report["logits_max_diff"] = float((full(input_ids=ids).logits - sharded_logits).abs().max())
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
