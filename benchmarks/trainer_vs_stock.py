@@ -2,6 +2,7 @@
 same TrainingArguments and fsdp_config (examples/xla_fsdp_config.json), each trainer in its own process.
 
     PJRT_DEVICE=CPU python benchmarks/trainer_vs_stock.py [--steps 30] [--warmup 5] [--workdir DIR]
+        [--construct-world-size 8] [--construct-model llama-325m] [--skip-training] [--skip-construction]
 
 "ours" is ``XlaFsdpTrainer(model=config)`` (meta init, block-by-block wrap); "stock" is
 ``transformers.Trainer`` given ``AutoModelForCausalLM.from_config(config)`` built after ``set_seed``
@@ -17,7 +18,21 @@ parent checks that both saved models load with ``from_pretrained`` without missi
 and compares losses and final weights. Prints one JSON object (sizes in MiB, times in seconds).
 Targets: our steady step time within 10% of stock; 0 compiles after warm-up for ours.
 One process is one FSDP rank of world size 1, so both hold the whole model: RSS differences are the
-construction paths' transient copies, not per-rank sharding (see benchmarks/meta_init.py for that).
+construction paths' transient copies, not per-rank sharding.
+
+Section "construction_world_size" (skip with --skip-construction; --skip-training runs only this one)
+shows the per-rank difference: each trainer, in its own process, makes the model ready as rank 0 of
+``--construct-world-size`` N ranks, emulated in one process with XLA FSDP's explicit sharding group
+(``sharding_groups=[[0..N-1]], sharding_rank=0, sharding_world_size=N`` added to the fsdp_config's
+``xla_fsdp_settings``, which both paths pass to ``XlaFullyShardedDataParallel``). No training there
+(collectives over an emulated group would hang). "ours" is ``XlaFsdpTrainer(model=config)`` (builds on
+meta block by block and wraps at construction); "stock" is ``set_seed``, ``from_config``,
+``StockTrainer(model)`` and the wrap ``train()`` would do: ``trainer._wrap_model(trainer.model)``
+(transformers' ``wrap_model_xla_fsdp``; with the STOCK_FIX it also creates the optimizer, whose AdamW
+state is lazy), then ``torch_xla.sync()``. Model: ``--construct-model`` (default the ~325M-parameter
+Llama of benchmarks/meta_init.py). Reports baseline/peak RSS (sampler and ru_maxrss), peak above
+baseline, seconds, the parameter bytes the rank holds (checked against model bytes / N) and the
+stock/ours ratio of peak RSS above baseline.
 """
 
 from __future__ import annotations
@@ -45,6 +60,41 @@ STOCK_FIX = ("transformers 5.23 never creates the optimizer on its XLA FSDP path
              "create_optimizer(wrapped), so train() then takes the prepare(model)/prepare(optimizer) branch "
              "the torch FSDP path takes. Also optim=adamw_torch for both "
              "(fused AdamW has no XLA kernel).")
+
+
+# --construct-model presets. "llama-325m" is benchmarks/meta_init.py's MODEL: 24 decoder layers of 12.8M
+# parameters, embeddings + lm_head 1.3 blocks; "train" is the training section's model (its flags).
+CONSTRUCT_MODELS = {
+    "llama-325m": {"vocab_size": 8192, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 24,
+                   "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 2048,
+                   "tie_word_embeddings": False},
+}
+
+
+def peak_rss_mib() -> float:
+    """ru_maxrss of this process (Linux reports KiB): a check of the sampler's peaks."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def stock_trainer_class() -> type:
+    """The StockTrainer class (made on call: transformers is imported in the children only)."""
+    import torch
+    from transformers import Trainer
+
+    class StockTrainer(Trainer):
+        """transformers.Trainer plus the minimal fix of its XLA FSDP optimizer creation (see STOCK_FIX)."""
+
+        def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+            """The stock wrap, then the optimizer over the wrapped model's parameters."""
+            # Stock 5.23 delays optimizer creation for XLA FSDP, then finds the wrapped model is not
+            # self.model and only calls accelerator.prepare(self.optimizer) with optimizer None: create it here.
+            wrapped = super()._wrap_model(model, training, dataloader)
+            if training and wrapped is not model and self.optimizer is None:
+                self.model = wrapped
+                self.create_optimizer(wrapped)
+            return wrapped
+
+    return StockTrainer
 
 
 class RssSampler(threading.Thread):
@@ -81,8 +131,8 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch_xla
     import torch_xla.debug.metrics as met
     from run_clm import load_data, parse_args
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback,
-                              default_data_collator, set_seed)
+    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator,
+                              set_seed)
 
     from hf_xla_fsdp import XlaFsdpTrainer
 
@@ -92,18 +142,7 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     sampler.set_phase("baseline")  # imports done, runtime started: the floor of both processes
     compiles = lambda: int((met.metric_data("CompileTime") or [0])[0])  # noqa: E731
 
-    class StockTrainer(Trainer):
-        """transformers.Trainer plus the minimal fix of its XLA FSDP optimizer creation (see STOCK_FIX)."""
-
-        def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
-            """The stock wrap, then the optimizer over the wrapped model's parameters."""
-            # Stock 5.23 delays optimizer creation for XLA FSDP, then finds the wrapped model is not
-            # self.model and only calls accelerator.prepare(self.optimizer) with optimizer None: create it here.
-            wrapped = super()._wrap_model(model, training, dataloader)
-            if training and wrapped is not model and self.optimizer is None:
-                self.model = wrapped
-                self.create_optimizer(wrapped)
-            return wrapped
+    StockTrainer = stock_trainer_class()
 
     class Timer(TrainerCallback):
         """Step-end times, losses, compile counts and RSS phases of the training loop."""
@@ -188,7 +227,7 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "construction_above_baseline_mib": round(peaks["construction"] - peaks["baseline"], 1),
         "save_peak_mib": peaks["save"], "save_above_start_mib": round(peaks["save"] - save_start_rss / MIB, 1),
         "save_s": round(save_s, 2),
-        "ru_maxrss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # checks the sampler
+        "ru_maxrss_mib": peak_rss_mib(),  # checks the sampler
         "warmup_s": round(sum(steps[:args.warmup]), 2), "step_times_s": [round(s, 3) for s in steps],
         "steady_step_s": round(statistics.median(steps[args.warmup:]), 3),
         "steady_step_cpu_s": round(statistics.median(cpu[args.warmup:]), 3),
@@ -199,6 +238,74 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def construct_child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Make the model ready as rank 0 of ``args.construct_world_size`` ranks with one trainer; no training."""
+    import importlib
+
+    import torch
+    import torch_xla
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments, set_seed
+
+    from hf_xla_fsdp import XlaFsdpTrainer
+
+    StockTrainer = stock_trainer_class()
+    # modules both paths (and ours) import lazily: loaded before the baseline, so their code is not counted
+    for name in ("torch_xla.distributed.fsdp", "transformers.integrations.tpu",
+                 "transformers.models.llama.modeling_llama", "hf_xla_fsdp.meta_init", "hf_xla_fsdp.wrapping"):
+        importlib.import_module(name)
+    torch.zeros(1, device=torch_xla.device()).cpu()  # start the XLA runtime before the baseline
+    sampler = RssSampler()
+    sampler.start()
+    sampler.set_phase("baseline")  # imports done, runtime started: the floor of both processes
+    baseline_ru = peak_rss_mib()
+    world = args.construct_world_size
+    fsdp_config = json.loads(FSDP_CONFIG.read_text())
+    # rank 0 of `world`: XLA FSDP shards exactly as there (both paths pass xla_fsdp_settings to the wrapper)
+    fsdp_config["xla_fsdp_settings"] = {**fsdp_config["xla_fsdp_settings"], "sharding_groups": [list(range(world))],
+                                        "sharding_rank": 0, "sharding_world_size": world}
+    training_args = TrainingArguments(output_dir=str(Path(args.workdir) / f"construct-{kind}"), fsdp=True,
+                                      fsdp_config=fsdp_config, optim="adamw_torch", report_to=[], seed=42,
+                                      disable_tqdm=True)
+    config = AutoConfig.from_pretrained(Path(args.workdir) / "construct_config")
+
+    start = time.perf_counter()
+    if kind == "ours":
+        sampler.set_phase("trainer")  # builds on meta block by block and wraps at construction
+        model = XlaFsdpTrainer(model=config, args=training_args).model
+    else:
+        sampler.set_phase("from_config")
+        set_seed(training_args.seed)
+        model = AutoModelForCausalLM.from_config(config)
+        sampler.set_phase("trainer")
+        trainer = StockTrainer(model=model, args=training_args)
+        sampler.set_phase("wrap")
+        model = trainer._wrap_model(trainer.model)  # what train() calls: transformers' wrap_model_xla_fsdp
+    sampler.set_phase("sync")
+    torch_xla.sync()
+    seconds = time.perf_counter() - start
+    sampler.set_phase("ready")
+    ready_rss = sampler.proc.memory_info().rss / MIB
+    params = list(model.parameters())
+    peaks = {k: round(v / MIB, 1) for k, v in sampler.peaks.items()}
+    peak = max(v for k, v in peaks.items() if k not in ("baseline", "ready"))
+    ru_maxrss = peak_rss_mib()
+    return {
+        "baseline_rss_mib": peaks["baseline"], "peak_rss_mib": peak,
+        "peak_above_baseline_mib": round(peak - peaks["baseline"], 1),
+        "phase_peaks_mib": {k: v for k, v in peaks.items() if k not in ("baseline", "ready")},
+        "ready_rss_mib": round(ready_rss, 1), "ready_above_baseline_mib": round(ready_rss - peaks["baseline"], 1),
+        "seconds": round(seconds, 2),
+        "ru_maxrss_at_baseline_mib": baseline_ru, "ru_maxrss_mib": ru_maxrss,  # checks the sampler
+        "ru_maxrss_above_baseline_mib": round(ru_maxrss - peaks["baseline"], 1),
+        "rank_param_bytes": sum(t.numel() * t.element_size() for t in params),
+        "rank_param_mib": round(sum(t.numel() * t.element_size() for t in params) / MIB, 1),
+        "param_dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in params}),
+        "param_devices": sorted({t.device.type for t in params}),
+        "fsdp_world_size": getattr(model, "world_size", None), "fsdp_rank": getattr(model, "rank", None),
+        "wrapper": type(model).__name__,
+    }
+
+
 def load_check(model_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load a saved model with from_pretrained: its loading info and its state dict."""
     from transformers import AutoModelForCausalLM
@@ -206,6 +313,52 @@ def load_check(model_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
     model, info = AutoModelForCausalLM.from_pretrained(model_dir, output_loading_info=True)
     bad = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     return {"loads": not bad, **bad}, model.state_dict()
+
+
+def run_child(role: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run this script as a ``--child``/``--construct-child`` process and return its JSON."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+             if k not in ("child", "construct_child") and not isinstance(v, bool)]
+    out = subprocess.run([sys.executable, __file__, f"--{role}", kind, *flags], check=False, capture_output=True,
+                         text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
+    if out.returncode != 0:
+        raise SystemExit(f"{role} {kind} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def construction_section(args: argparse.Namespace, train_config: Any) -> dict[str, Any]:
+    """Write the construction model's config, run both construction children and compare them."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    preset = args.construct_model
+    config = train_config if preset == "train" else LlamaConfig(**CONSTRUCT_MODELS[preset])
+    config.save_pretrained(Path(args.workdir) / "construct_config")
+    with torch.device("meta"):
+        params = sum(t.numel() for t in AutoModelForCausalLM.from_config(config).parameters())
+    world = args.construct_world_size
+    ours, stock = (run_child("construct-child", kind, args) for kind in ("ours", "stock"))
+    expected = params * 4 / world  # fp32 parameters split over `world` ranks (XLA FSDP pads to a multiple)
+    for r in (ours, stock):
+        r["rank_param_bytes_over_model_over_n"] = round(r["rank_param_bytes"] / expected, 4)
+    ratio = lambda a, b: round(a / b, 3) if b > 0 else None  # noqa: E731
+    return {
+        "world_size": world, "rank": 0,
+        "model": {"preset": preset, "params": params, "fp32_mib": round(params * 4 / MIB, 1),
+                  "fp32_mib_over_n": round(expected / MIB, 1),
+                  **{k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                     "num_hidden_layers", "num_attention_heads",
+                                                     "num_key_value_heads", "max_position_embeddings",
+                                                     "tie_word_embeddings")}},
+        "ours": ours, "stock": stock,
+        "rank_params_match_model_over_n": all(abs(r["rank_param_bytes_over_model_over_n"] - 1) < 0.01
+                                              and r["fsdp_world_size"] == world for r in (ours, stock)),
+        "peak_above_baseline_ratio_stock_over_ours": ratio(stock["peak_above_baseline_mib"],
+                                                           ours["peak_above_baseline_mib"]),
+        "ready_above_baseline_ratio_stock_over_ours": ratio(stock["ready_above_baseline_mib"],
+                                                            ours["ready_above_baseline_mib"]),
+        "seconds_ratio_stock_over_ours": ratio(stock["seconds"], ours["seconds"]),
+    }
 
 
 def main() -> None:
@@ -220,12 +373,27 @@ def main() -> None:
     p.add_argument("--intermediate-size", type=int, default=1376)
     p.add_argument("--vocab-size", type=int, default=8192, help="the bundled tokenizer uses ids < 512")
     p.add_argument("--workdir", default=None, help="default: a new temporary directory")
+    p.add_argument("--construct-world-size", type=int, default=8,
+                   help="construction_world_size section: build as rank 0 of this many ranks")
+    p.add_argument("--construct-model", choices=[*CONSTRUCT_MODELS, "train"], default="llama-325m",
+                   help="construction_world_size section's model: llama-325m (benchmarks/meta_init.py's) or "
+                        "train (the training section's)")
+    p.add_argument("--skip-training", action="store_true", help="only the construction_world_size section")
+    p.add_argument("--skip-construction", action="store_true", help="no construction_world_size section")
     p.add_argument("--child", choices=["ours", "stock"], help=argparse.SUPPRESS)
+    p.add_argument("--construct-child", choices=["ours", "stock"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    if args.construct_world_size < 1:
+        p.error("--construct-world-size must be at least 1")
+    if args.skip_training and args.skip_construction:
+        p.error("--skip-training and --skip-construction leave nothing to run")
     if args.child:
         print(json.dumps(child(args.child, args)))
+        return
+    if args.construct_child:
+        print(json.dumps(construct_child(args.construct_child, args)))
         return
 
     import torch
@@ -238,34 +406,31 @@ def main() -> None:
                          intermediate_size=args.intermediate_size, num_attention_heads=heads,
                          num_key_value_heads=heads, max_position_embeddings=max(256, args.block_size),
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    config.save_pretrained(Path(args.workdir) / "config")
-    with torch.device("meta"):
-        params = sum(t.numel() for t in AutoModelForCausalLM.from_config(config).parameters())
+    report: dict[str, Any] = {}
+    comparison: dict[str, Any] = {}
+    if not args.skip_training:
+        config.save_pretrained(Path(args.workdir) / "config")
+        with torch.device("meta"):
+            params = sum(t.numel() for t in AutoModelForCausalLM.from_config(config).parameters())
 
-    results = {}
-    for kind in ("ours", "stock"):
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "child"]
-        out = subprocess.run([sys.executable, __file__, "--child", kind, *flags], check=False, capture_output=True,
-                             text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
-        if out.returncode != 0:
-            raise SystemExit(f"{kind} failed:\n{out.stderr[-4000:]}")
-        results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-    (ours_load, ours_sd), (stock_load, stock_sd) = (load_check(results[k]["model_dir"]) for k in ("ours", "stock"))
-    results["ours"]["load"], results["stock"]["load"] = ours_load, stock_load
-    weight_diff = max((ours_sd[k].float() - stock_sd[k].float()).abs().max().item() for k in ours_sd)
+        results = {kind: run_child("child", kind, args) for kind in ("ours", "stock")}
+        (ours_load, ours_sd), (stock_load, stock_sd) = (load_check(results[k]["model_dir"]) for k in ("ours", "stock"))
+        results["ours"]["load"], results["stock"]["load"] = ours_load, stock_load
+        weight_diff = max((ours_sd[k].float() - stock_sd[k].float()).abs().max().item() for k in ours_sd)
 
-    ours, stock = results["ours"], results["stock"]
-    ratio = lambda a, b: round(a / b, 3) if b > 0 else None  # noqa: E731  (None: ours adds nothing)
-    step_ratio = ratio(ours["steady_step_s"], stock["steady_step_s"])
-    cpu_ratio = ratio(ours["steady_step_cpu_s"], stock["steady_step_cpu_s"])
-    rss_ratio = lambda key: ratio(stock[key], ours[key])  # noqa: E731
-    report = {
-        "model": {"params": params, "fp32_mib": round(params * 4 / MIB, 1), "hidden_size": args.hidden_size,
-                  "layers": args.layers, "intermediate_size": args.intermediate_size, "vocab_size": args.vocab_size,
-                  "heads": heads, "batch_size": args.batch_size, "block_size": args.block_size,
-                  "steps": args.steps, "warmup": args.warmup},
-        "ours": ours, "stock": stock, "stock_fix": STOCK_FIX,
-        "comparison": {
+        ours, stock = results["ours"], results["stock"]
+        ratio = lambda a, b: round(a / b, 3) if b > 0 else None  # noqa: E731  (None: ours adds nothing)
+        step_ratio = ratio(ours["steady_step_s"], stock["steady_step_s"])
+        cpu_ratio = ratio(ours["steady_step_cpu_s"], stock["steady_step_cpu_s"])
+        rss_ratio = lambda key: ratio(stock[key], ours[key])  # noqa: E731
+        report.update({
+            "model": {"params": params, "fp32_mib": round(params * 4 / MIB, 1), "hidden_size": args.hidden_size,
+                      "layers": args.layers, "intermediate_size": args.intermediate_size,
+                      "vocab_size": args.vocab_size, "heads": heads, "batch_size": args.batch_size,
+                      "block_size": args.block_size, "steps": args.steps, "warmup": args.warmup},
+            "ours": ours, "stock": stock,
+        })
+        comparison.update({
             "step_time_ratio_ours_over_stock": step_ratio,
             "step_cpu_ratio_ours_over_stock": cpu_ratio,
             "construction_rss_above_baseline_ratio_stock_over_ours": rss_ratio("construction_above_baseline_mib"),
@@ -280,9 +445,21 @@ def main() -> None:
             "target_step_time_within_10pct": step_ratio is not None and step_ratio <= 1.10,
             "target_step_cpu_within_10pct": cpu_ratio is not None and cpu_ratio <= 1.10,
             "target_ours_no_compiles_after_warmup": ours["compiles_after_warmup"] == 0,
-        },
-        "workdir": args.workdir, "wall_s": round(time.perf_counter() - wall, 1),
-    }
+        })
+    report["stock_fix"] = STOCK_FIX
+    if not args.skip_construction:
+        section = construction_section(args, config)
+        report["construction_world_size"] = section
+        comparison.update({
+            "construction_world_size": section["world_size"],
+            "construction_world_size_peak_above_baseline_mib": {
+                k: section[k]["peak_above_baseline_mib"] for k in ("ours", "stock")},
+            "construction_world_size_peak_above_baseline_ratio_stock_over_ours":
+                section["peak_above_baseline_ratio_stock_over_ours"],
+            "construction_world_size_seconds_ratio_stock_over_ours": section["seconds_ratio_stock_over_ours"],
+            "construction_world_size_rank_params_match_model_over_n": section["rank_params_match_model_over_n"],
+        })
+    report.update({"comparison": comparison, "workdir": args.workdir, "wall_s": round(time.perf_counter() - wall, 1)})
     print(json.dumps(report, indent=2))
 
 

@@ -20,7 +20,6 @@ a ResNet from transformers instead of a hand-written CNN (so the consolidated mo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -147,22 +146,11 @@ def train_digits(rank: int, args: argparse.Namespace) -> dict:
     return results
 
 
-def _mp_fn(index: int, args: argparse.Namespace) -> None:
-    import torch_xla.runtime as xr
-
-    results = train_digits(index, args)
-    if xr.global_ordinal() == 0:
-        text = json.dumps(results, indent=2)
-        print(text, flush=True)
-        if args.output_json:
-            Path(args.output_json).write_text(text)
-
-
 def main() -> None:
-    """One process per XLA device (one on XLA:CPU), as the original."""
-    import torch_xla.distributed.xla_multiprocessing as xmp
+    """One process per XLA device (one on XLA:CPU), as the original; rank 0 prints the results as JSON."""
+    from image_data import spawn_and_report
 
-    xmp.spawn(_mp_fn, args=(parse_args(),))
+    spawn_and_report(train_digits, parse_args())
 
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ every ``--lr_scheduler_divide_every_n_epochs`` epochs; top-1 accuracy every ``--
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -187,22 +185,11 @@ def train_imagenet(index: int, args: argparse.Namespace) -> dict:
     return results
 
 
-def _mp_fn(index: int, args: argparse.Namespace) -> None:
-    import torch_xla.runtime as xr
-
-    results = train_imagenet(index, args)
-    if xr.global_ordinal() == 0:
-        text = json.dumps(results, indent=2)
-        print(text, flush=True)
-        if args.output_json:
-            Path(args.output_json).write_text(text)
-
-
 def main() -> None:
-    """One process per XLA device (one on XLA:CPU), as the original."""
-    import torch_xla.distributed.xla_multiprocessing as xmp
+    """One process per XLA device (one on XLA:CPU), as the original; rank 0 prints the results as JSON."""
+    from image_data import spawn_and_report
 
-    xmp.spawn(_mp_fn, args=(parse_args(),))
+    spawn_and_report(train_imagenet, parse_args())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -58,6 +58,27 @@ def load_mnist_split(datadir: str, image_size: Optional[int] = None) -> dict[str
         out[f"{split}_x"] = (images - 0.1307) / 0.3081
         out[f"{split}_y"] = torch.tensor(_read_idx(_find(root, f"{prefix}-labels-idx1-ubyte")), dtype=torch.long)
     return out
+
+
+def spawn_and_report(train: Callable[[int, Any], dict], args: Any) -> None:
+    """Run ``train(index, args)`` in one process per XLA device (``xmp.spawn``); rank 0 prints the results as
+    JSON and writes them to ``args.output_json`` when set."""
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    xmp.spawn(_train_and_report, args=(train, args))
+
+
+def _train_and_report(index: int, train: Callable[[int, Any], dict], args: Any) -> None:
+    import json
+
+    import torch_xla.runtime as xr
+
+    results = train(index, args)
+    if xr.global_ordinal() == 0:
+        text = json.dumps(results, indent=2)
+        print(text, flush=True)
+        if getattr(args, "output_json", None):
+            Path(args.output_json).write_text(text)
 
 
 def make_digits_imagefolder(directory: str, image_size: int = 32, seed: int = 0) -> Path:
