@@ -61,9 +61,21 @@ def main() -> None:
     import torch_xla.runtime as xr
 
     plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, replica_size=args.replicas)
+    import hf_xla_fsdp.wrapping as wrapping
+
+    order, replace = [], wrapping.replace_submodule
+
+    def spy(root: torch.nn.Module, name: str, new: torch.nn.Module) -> None:
+        # when block `name` is placed, which decoder layers still have parameters on meta
+        layers = root.get_submodule("model.layers")
+        order.append([name, [i for i, layer in enumerate(layers) if any(p.is_meta for p in layer.parameters())]])
+        replace(root, name, new)
+
+    wrapping.replace_submodule = spy
     model = build(plugin)
+    wrapping.replace_submodule = replace
     mesh = spmd.get_mesh(plugin)
-    report: dict = {"devices": xr.global_runtime_device_count(), "mesh": list(mesh.mesh_shape)}
+    report: dict = {"devices": xr.global_runtime_device_count(), "mesh": list(mesh.mesh_shape), "build_order": order}
     data = list(zip(range(8), arithmetic_lm_batches(128, 16, 8, seed=3)))
     batches = [b for _, b in data]
     if args.mode == "shard":

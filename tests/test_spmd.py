@@ -37,6 +37,8 @@ def tile_devices(spec: str) -> int:
 def test_every_parameter_is_sharded_over_all_devices(devices):
     report = worker("shard", devices)
     assert report["devices"] == devices and report["units"] == 4  # 3 decoder layers + root
+    # layer by layer: when layer i is sharded, layers i+1.. have not been materialized yet
+    assert report["build_order"] == [[f"model.layers.{i}", list(range(i + 1, 3))] for i in range(3)]
     for name, spec in report["specs"].items():
         assert tile_devices(spec) == devices, (name, spec)
     per_device = report["device_bytes"]
