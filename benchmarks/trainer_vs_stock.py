@@ -30,14 +30,17 @@ meta block by block and wraps at construction); "stock" is ``set_seed``, ``from_
 ``StockTrainer(model)`` and the wrap ``train()`` would do: ``trainer._wrap_model(trainer.model)``
 (transformers' ``wrap_model_xla_fsdp``; with the STOCK_FIX it also creates the optimizer, whose AdamW
 state is lazy), then ``torch_xla.sync()``. Model: ``--construct-model`` (default the ~325M-parameter
-Llama of benchmarks/meta_init.py). Reports baseline/peak RSS (sampler and ru_maxrss), peak above
-baseline, seconds, the parameter bytes the rank holds (checked against model bytes / N) and the
-stock/ours ratio of peak RSS above baseline.
+Llama of benchmarks/meta_init.py). Reports baseline/peak RSS (sampler, ru_maxrss, VmHWM), peak above
+baseline, the RSS left when ready (also after gc + malloc_trim: freed memory glibc kept), seconds, the
+parameter bytes the rank holds (checked against model bytes / N) and the stock/ours ratio of peak RSS
+above baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import resource
@@ -74,6 +77,14 @@ CONSTRUCT_MODELS = {
 def peak_rss_mib() -> float:
     """ru_maxrss of this process (Linux reports KiB): a check of the sampler's peaks."""
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def hwm_rss_mib() -> float:
+    """VmHWM, this process's own peak RSS: unlike ru_maxrss, which Linux keeps across the parent's vfork +
+    execve (subprocess), so a child's ru_maxrss is never below the parent's peak RSS when it was spawned."""
+    with open("/proc/self/status", encoding="ascii") as fh:
+        kib = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+    return round(kib / 1024, 1)
 
 
 def stock_trainer_class() -> type:
@@ -257,7 +268,8 @@ def construct_child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     sampler = RssSampler()
     sampler.start()
     sampler.set_phase("baseline")  # imports done, runtime started: the floor of both processes
-    baseline_ru = peak_rss_mib()
+    baseline_ru, baseline_hwm = peak_rss_mib(), hwm_rss_mib()
+    sampler.set_phase("setup")
     world = args.construct_world_size
     fsdp_config = json.loads(FSDP_CONFIG.read_text())
     # rank 0 of `world`: XLA FSDP shards exactly as there (both paths pass xla_fsdp_settings to the wrapper)
@@ -285,18 +297,26 @@ def construct_child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     sampler.set_phase("ready")
     ready_rss = sampler.proc.memory_info().rss / MIB
+    ru_maxrss, hwm = peak_rss_mib(), hwm_rss_mib()
     params = list(model.parameters())
     peaks = {k: round(v / MIB, 1) for k, v in sampler.peaks.items()}
-    peak = max(v for k, v in peaks.items() if k not in ("baseline", "ready"))
-    ru_maxrss = peak_rss_mib()
+    made = {k: v for k, v in peaks.items() if k not in ("idle", "baseline", "setup", "ready")}
+    peak = max(made.values())
+    # diagnostic: how much of the RSS left after construction is freed memory the allocator kept
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    trimmed_rss = sampler.proc.memory_info().rss / MIB
     return {
         "baseline_rss_mib": peaks["baseline"], "peak_rss_mib": peak,
-        "peak_above_baseline_mib": round(peak - peaks["baseline"], 1),
-        "phase_peaks_mib": {k: v for k, v in peaks.items() if k not in ("baseline", "ready")},
+        "peak_above_baseline_mib": round(peak - peaks["baseline"], 1), "phase_peaks_mib": made,
         "ready_rss_mib": round(ready_rss, 1), "ready_above_baseline_mib": round(ready_rss - peaks["baseline"], 1),
+        "ready_above_baseline_after_malloc_trim_mib": round(trimmed_rss - peaks["baseline"], 1),
         "seconds": round(seconds, 2),
-        "ru_maxrss_at_baseline_mib": baseline_ru, "ru_maxrss_mib": ru_maxrss,  # checks the sampler
+        # checks of the sampler's peak (ru_maxrss includes the parent's peak RSS at spawn; VmHWM does not)
+        "ru_maxrss_at_baseline_mib": baseline_ru, "ru_maxrss_mib": ru_maxrss,
         "ru_maxrss_above_baseline_mib": round(ru_maxrss - peaks["baseline"], 1),
+        "vm_hwm_at_baseline_mib": baseline_hwm, "vm_hwm_mib": hwm,
+        "vm_hwm_above_baseline_mib": round(hwm - peaks["baseline"], 1),
         "rank_param_bytes": sum(t.numel() * t.element_size() for t in params),
         "rank_param_mib": round(sum(t.numel() * t.element_size() for t in params) / MIB, 1),
         "param_dtypes": sorted({str(t.dtype).removeprefix("torch.") for t in params}),
@@ -355,6 +375,9 @@ def construction_section(args: argparse.Namespace, train_config: Any) -> dict[st
                                               and r["fsdp_world_size"] == world for r in (ours, stock)),
         "peak_above_baseline_ratio_stock_over_ours": ratio(stock["peak_above_baseline_mib"],
                                                            ours["peak_above_baseline_mib"]),
+        # VmHWM is the kernel's exact peak (VmHWM at baseline = baseline RSS); the 5 ms sampler can miss spikes
+        "vm_hwm_above_baseline_ratio_stock_over_ours": ratio(stock["vm_hwm_above_baseline_mib"],
+                                                             ours["vm_hwm_above_baseline_mib"]),
         "ready_above_baseline_ratio_stock_over_ours": ratio(stock["ready_above_baseline_mib"],
                                                             ours["ready_above_baseline_mib"]),
         "seconds_ratio_stock_over_ours": ratio(stock["seconds"], ours["seconds"]),
@@ -456,6 +479,8 @@ def main() -> None:
                 k: section[k]["peak_above_baseline_mib"] for k in ("ours", "stock")},
             "construction_world_size_peak_above_baseline_ratio_stock_over_ours":
                 section["peak_above_baseline_ratio_stock_over_ours"],
+            "construction_world_size_vm_hwm_above_baseline_ratio_stock_over_ours":
+                section["vm_hwm_above_baseline_ratio_stock_over_ours"],
             "construction_world_size_seconds_ratio_stock_over_ours": section["seconds_ratio_stock_over_ours"],
             "construction_world_size_rank_params_match_model_over_n": section["rank_params_match_model_over_n"],
         })

@@ -244,8 +244,8 @@ def mark_complete(ckpt_dir: Union[str, Path], world_size: int) -> Path:
     for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
         if stray.is_file() and stray.name.startswith("rank-") and stray.name not in rank_files:
             stray.unlink()
-    marker = {"format": FORMAT, "world_size": world_size, "step": first["step"], "run_id": first["run_id"],
-              "files": files}
+    marker = {"format": FORMAT, "engine": first.get("engine", "xla_fsdp_v1"), "world_size": world_size,
+              "step": first["step"], "run_id": first["run_id"], "files": files}
     write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
     return stage
 
@@ -299,6 +299,17 @@ def _same_layout(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return names(a) == names(b)
 
 
+def _saved_engine(ckpt_dir: Path, marker: dict[str, Any]) -> str:
+    """``"spmd"`` or ``"xla_fsdp_v1"``, from the marker or else the first rank file's JSON (no tensor file opened)."""
+    if "engine" in marker:
+        return marker["engine"]
+    first = ckpt_dir / Path(sorted(marker["files"])[0]).with_suffix(".json").name
+    try:
+        return json.loads(first.read_text()).get("engine", "xla_fsdp_v1")
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return "xla_fsdp_v1"  # the v1 reader reports the damage precisely
+
+
 def _read_listed(ckpt_dir: Path, marker: dict[str, Any], name: str) -> RankFile:
     f = SafetensorsRankFile(ckpt_dir / name)
     if f.meta.get("file_id") != marker["files"][name]["file_id"]:
@@ -334,15 +345,14 @@ def load_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     marker = read_marker(ckpt_dir)
     saved_world = int(marker["world_size"])
-    files = [_read_listed(ckpt_dir, marker, name) for name in sorted(marker["files"])]
-    saved_v2 = files[0].meta.get("engine") == "spmd"
+    saved_v2 = _saved_engine(ckpt_dir, marker) == "spmd"
     if saved_v2 != is_v2(model):
         engines = ("FSDP v2 (SPMD)", "FSDP v1") if saved_v2 else ("FSDP v1", "FSDP v2 (SPMD)")
         raise CheckpointError(f"{ckpt_dir} was saved by {engines[0]} and cannot be resumed into an {engines[1]} model; "
                               "consolidate it (hf-xla-fsdp consolidate) and build the model from that directory")
     if saved_v2:
+        files = [_read_listed(ckpt_dir, marker, name) for name in sorted(marker["files"])]
         return _load_spmd(ckpt_dir, files, model, optimizer, scheduler, restore_rng)
-    del files
     rank, world = _rank_world(model)
     current = model.get_shard_metadata()
     if saved_world == world:

@@ -120,8 +120,9 @@ def wrap_root(model: nn.Module, plugin: XlaFsdpPlugin) -> nn.Module:
 def check_not_wrapped(model: nn.Module) -> None:
     """Refuse a model that already holds XLA FSDP units: wrapping twice would shard shards."""
     if is_wrapped(model):
+        unit = next(type(m).__name__ for m in model.modules() if isinstance(m, fsdp_classes()))
         raise ConfigError(
-            f"{type(model).__name__} is already wrapped with XLA FSDP; "
+            f"{type(model).__name__} is already wrapped with {unit}; "
             "pass the unwrapped model to XlaFsdpPlugin.wrap (or use it as it is)"
         )
 
