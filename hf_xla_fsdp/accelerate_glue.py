@@ -12,7 +12,7 @@ YAML itself, in this order:
 :class:`XlaFsdpAccelerator` is an ``accelerate.Accelerator`` that applies those settings:
 ``prepare`` wraps the model (or keeps a model already built with :meth:`build_model`), gradients
 are never all-reduced again after FSDP's reduce-scatter (so ``optimizer.step()`` stays a plain
-step, never ``xm.optimizer_step``), ``clip_grad_norm_`` uses the FSDP root's norm over every shard,
+step, never ``xm.optimizer_step``), ``clip_grad_norm_``'s norm spans every rank's shards,
 ``save_state``/``load_state`` are the sharded rank checkpoints and ``save_model`` consolidates.
 """
 
@@ -156,19 +156,14 @@ class XlaFsdpAccelerator(Accelerator):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
-        """Clip with the FSDP root's ``clip_grad_norm_``, whose norm spans the shards of every rank.
-
-        FSDP v2 parameters are single logical tensors, so torch's own clipping already sees all of them.
-        """
-        from .wrapping import is_v2
+        """Clip over the whole model: the norm spans the shards of every rank (see :func:`hf_xla_fsdp.train.clip_grad_norm`)."""
+        from .train import clip_grad_norm
 
         params = [id(p) for p in parameters]
         for model in self._models:
             if params == [id(p) for p in model.parameters()]:
                 self.gradient_state.is_xla_gradients_synced = True
-                if is_v2(model):
-                    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
-                return model.clip_grad_norm_(max_norm, norm_type)
+                return clip_grad_norm(model, max_norm, norm_type)
         raise ConfigError("clip_grad_norm_ on an XLA FSDP model needs the prepared model's model.parameters()")
 
     # ----------------------------------------------------------------- checkpoints

@@ -13,7 +13,7 @@ extra keys ``meta_init``, ``sharding``, ``checkpoint_format``, ``consolidate_dty
   reads only this rank's file;
 * the final ``save_model`` streams the shards into a ``from_pretrained``-ready safetensors model in
   ``output_dir`` (beside the ``checkpoint-*`` directories), tokenizer and training record included;
-* gradients are not all-reduced again after FSDP's reduce-scatter and clipping uses the FSDP root's
+* gradients are not all-reduced again after FSDP's reduce-scatter and clipping takes the
   norm over every shard (the accelerator is :class:`~hf_xla_fsdp.accelerate_glue.XlaFsdpAccelerator`).
 """
 

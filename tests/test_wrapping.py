@@ -111,3 +111,26 @@ def test_training_step_matches_unwrapped_model(llama_config, settings):
     for k in ref_grad:
         torch.testing.assert_close(grad[k], ref_grad[k], atol=1e-6, rtol=1e-4, msg=k)
     assert any(g.abs().sum() > 0 for g in grad.values())
+
+
+def test_clip_grad_norm_equals_xla_fsdp_clip(llama_config):
+    import torch_xla
+
+    from hf_xla_fsdp.train import clip_grad_norm
+
+    plugin = XlaFsdpPlugin(transformer_layer_cls_to_wrap=["LlamaDecoderLayer"])
+    ids = torch.randint(0, llama_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for clip in ("fsdp", "ours"):
+        torch.manual_seed(0)
+        model = plugin.build(llama_config, progress=False)
+        batch = ids.to(torch_xla.device())
+        model(input_ids=batch, labels=batch).loss.backward()
+        norm = model.clip_grad_norm_(0.1) if clip == "fsdp" else clip_grad_norm(model, 0.1)
+        torch_xla.sync()
+        results.append((float(norm), [p.grad.cpu() for p in model.parameters()]))
+    (norm_a, grads_a), (norm_b, grads_b) = results
+    assert norm_a > 0.1  # clipping really scales
+    assert abs(norm_a - norm_b) <= 1e-6 * norm_a
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
