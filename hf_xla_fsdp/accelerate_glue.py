@@ -140,11 +140,9 @@ class XlaFsdpAccelerator(Accelerator):
         loader = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                              slice_fn_for_dispatch=slice_fn_for_dispatch)
         if self.xla_fsdp_plugin.version == 2:
-            from .spmd import get_mesh, input_sharding
+            from .spmd import get_mesh, shard_loader_inputs
 
-            if not hasattr(loader, "_parallel_loader_kwargs"):
-                raise ConfigError("FSDP v2 needs accelerate's XLA device loader to split batches over the devices")
-            loader._parallel_loader_kwargs["input_sharding"] = input_sharding(get_mesh(self.xla_fsdp_plugin))
+            shard_loader_inputs(loader, get_mesh(self.xla_fsdp_plugin))
         return loader
 
     # ----------------------------------------------------------------- gradients

@@ -34,7 +34,8 @@ def staging_dir(ckpt_dir: Path) -> Path:
     return ckpt_dir.parent / f".{ckpt_dir.name}.partial"
 
 
-def _rank_world(model: nn.Module) -> tuple[int, int]:
+def rank_world(model: nn.Module) -> tuple[int, int]:
+    """``(rank, world size)`` in rank files: FSDP v1 ranks, or SPMD processes for FSDP v2."""
     from .wrapping import is_v2
 
     if is_v2(model):  # SPMD: one file per process, each holding its devices' slices
@@ -114,7 +115,7 @@ def write_rank_file(
     from .wrapping import is_v2, unwrap
 
     ckpt_dir = Path(ckpt_dir)
-    rank, world = _rank_world(model)
+    rank, world = rank_world(model)
     stage = staging_dir(ckpt_dir)
     stage.mkdir(parents=True, exist_ok=True)
     sync()  # pending updates land before reading values
@@ -283,7 +284,7 @@ def save_checkpoint(
     barrier = barrier or _default_barrier
     write_rank_file(ckpt_dir, model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin, extra=extra)
     barrier("hf_xla_fsdp.save.written")
-    rank, world = _rank_world(model)
+    rank, world = rank_world(model)
     if rank == 0:
         commit_checkpoint(ckpt_dir, world)
     barrier("hf_xla_fsdp.save.committed")
@@ -353,7 +354,7 @@ def load_checkpoint(
     if saved_v2:
         files = [_read_listed(ckpt_dir, marker, name) for name in sorted(marker["files"])]
         return _load_spmd(ckpt_dir, files, model, optimizer, scheduler, restore_rng)
-    rank, world = _rank_world(model)
+    rank, world = rank_world(model)
     current = model.get_shard_metadata()
     if saved_world == world:
         own = _read_own(ckpt_dir, marker, rank, world)
@@ -463,7 +464,7 @@ def _load_spmd(ckpt_dir: Path, files: list[RankFile], model: nn.Module, optimize
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     if restore_rng:
-        rank, _ = _rank_world(model)
+        rank, _ = rank_world(model)
         own = files[rank % len(files)]
         _restore_rng(own.meta, own.get(RNG_CPU) if RNG_CPU in own.names() else None)
     return {"step": meta.get("step", 0), "extra": meta.get("extra", {}), "run_id": meta.get("run_id"),
@@ -490,7 +491,7 @@ def restore_rng_state(ckpt_dir: Union[str, Path], model: nn.Module) -> None:
     ckpt_dir = Path(ckpt_dir)
     marker = read_marker(ckpt_dir)
     saved_world = int(marker["world_size"])
-    rank, _ = _rank_world(model)
+    rank, _ = rank_world(model)
     own = _read_own(ckpt_dir, marker, rank % saved_world, saved_world)
     _restore_rng(own.meta, own.get(RNG_CPU) if RNG_CPU in own.names() else None)
 

@@ -73,6 +73,14 @@ def input_sharding(mesh: Any) -> Any:
     return xs.ShardingSpec(mesh, (BATCH_AXES, None))
 
 
+def shard_loader_inputs(loader: Any, mesh: Any) -> Any:
+    """Make an XLA device loader (``MpDeviceLoader``, accelerate's wrapper) split every batch over all devices."""
+    if not hasattr(loader, "_parallel_loader_kwargs"):
+        raise ConfigError(f"FSDP v2 needs an XLA device loader to split batches over the devices, got {type(loader).__name__}")
+    loader._parallel_loader_kwargs["input_sharding"] = input_sharding(mesh)
+    return loader
+
+
 def shard_batch(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
     """Mark dim 0 of every XLA tensor of ``batch`` as split over all devices."""
     import torch_xla.distributed.spmd as xs
@@ -149,24 +157,29 @@ def device_bytes(model: nn.Module) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------- checkpoint pieces
-def local_pieces(tensor: torch.Tensor) -> list[tuple[list[int], list[int]]]:
-    """``(start, stop)`` per dimension of each distinct slice this process's devices hold (replica 0 only).
+def _replica0_placements(tensor: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
+    """``(shard position, start, stop)`` of each distinct slice held on this process's devices (replica 0 only).
 
     Reads only placement metadata: nothing is transferred.
     """
     import torch_xla
 
+    out: list[tuple[int, list[int], list[int]]] = []
+    for position, (replica, index) in enumerate(torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]):
+        if index is Ellipsis:
+            start, stop = [0] * tensor.dim(), list(tensor.shape)
+        else:
+            start, stop = [s.start for s in index], [s.stop for s in index]
+        if replica == 0 and all((start, stop) != (a, b) for _, a, b in out):
+            out.append((position, start, stop))
+    return out
+
+
+def local_pieces(tensor: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """``(start, stop)`` per dimension of each distinct slice this process's devices hold (replica 0 only)."""
     if tensor.device.type != "xla":
         return [([0] * tensor.dim(), list(tensor.shape))]
-    pieces = []
-    for replica, index in torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]:
-        if index is Ellipsis:
-            piece = ([0] * tensor.dim(), list(tensor.shape))
-        else:
-            piece = ([s.start for s in index], [s.stop for s in index])
-        if replica == 0 and piece not in pieces:
-            pieces.append(piece)
-    return pieces
+    return [(start, stop) for _, start, stop in _replica0_placements(tensor)]
 
 
 def fetch_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -176,18 +189,9 @@ def fetch_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
     if tensor.device.type != "xla":
         return [tensor.detach()]
     shards = torch_xla._XLAC._get_local_shards([tensor])[0]
-    placements = torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]
-    by_piece: dict[tuple, torch.Tensor] = {}
-    for (data, _device), (replica, index) in zip(shards, placements):
-        if replica != 0:
-            continue
-        if index is Ellipsis:
-            key, data = (tuple([0] * tensor.dim()), tuple(tensor.shape)), data[tuple(slice(0, n) for n in tensor.shape)]
-        else:
-            key = (tuple(s.start for s in index), tuple(s.stop for s in index))
-            data = data[tuple(slice(0, s.stop - s.start) for s in index)]  # drop the padding of uneven shards
-        by_piece.setdefault(key, data)
-    return [by_piece[(tuple(a), tuple(b))].contiguous() for a, b in local_pieces(tensor)]
+    # shards of uneven splits are padded: keep only the slice's own rows/columns
+    return [shards[position][0][tuple(slice(0, b - a) for a, b in zip(start, stop))].contiguous()
+            for position, start, stop in _replica0_placements(tensor)]
 
 
 @functools.lru_cache(maxsize=1)

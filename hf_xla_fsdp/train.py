@@ -54,10 +54,12 @@ def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) ->
     about 8 % faster per training step on XLA:CPU than XlaFullyShardedDataParallel.clip_grad_norm_'s
     per-parameter loop (measured with benchmarks/trainer_vs_stock.py), with the same result.
     """
+    from .wrapping import is_v2
+
     params = [p for p in model.parameters() if p.grad is not None]
     norm_type = float(norm_type)
     total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
-    world = getattr(model, "world_size", 1) if not _is_v2(model) else 1
+    world = 1 if is_v2(model) else getattr(model, "world_size", 1)
     if world > 1:
         import torch_xla.core.xla_model as xm
 
@@ -68,12 +70,6 @@ def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) ->
             total = model.all_reduce_op(xm.REDUCE_SUM, total ** norm_type, groups=groups) ** (1.0 / norm_type)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
-
-
-def _is_v2(model: nn.Module) -> bool:
-    from .wrapping import is_v2
-
-    return is_v2(model)
 
 
 def train_step(

@@ -69,11 +69,8 @@ def enable_spmd_if_configured(argv: Optional[list[str]] = None) -> bool:
             value = arg.split("=", 1)[1]
     if value is None:
         return False
-    from .plugin import read_settings_file
-
-    settings = read_settings_file(value, "fsdp_config", json.load, json.JSONDecodeError, "JSON") \
-        if not value.lstrip().startswith("{") else json.loads(value)
-    if not (settings.get("xla_fsdp_v2") or str(settings.get("version", "1")) == "2"):
+    settings = json.loads(value) if value.lstrip().startswith("{") else value
+    if XlaFsdpPlugin.from_fsdp_config(settings).version != 2:  # also reports a bad config before anything runs
         return False
     from .spmd import enable_spmd
 
@@ -151,11 +148,9 @@ class XlaFsdpTrainer(Trainer):
             self._mesh = get_mesh(self.xla_fsdp_plugin)
 
     def _shard_inputs(self, loader: Any) -> Any:
-        from .spmd import input_sharding
+        from .spmd import shard_loader_inputs
 
-        if self.xla_fsdp_plugin.version == 2 and hasattr(loader, "_parallel_loader_kwargs"):
-            loader._parallel_loader_kwargs["input_sharding"] = input_sharding(self._mesh)
-        return loader
+        return shard_loader_inputs(loader, self._mesh) if self.xla_fsdp_plugin.version == 2 else loader
 
     def get_train_dataloader(self) -> Any:
         """Trainer's loader; with FSDP v2 its batches are split over every device."""
@@ -199,27 +194,13 @@ class XlaFsdpTrainer(Trainer):
 
         plugin = self.xla_fsdp_plugin
         if isinstance(model, nn.Module):
-            if is_wrapped(model):
-                return model
-            self._no_cache_under_checkpointing(model)
-            return plugin.wrap(model)
+            return model if is_wrapped(model) else plugin.wrap(model)
         if not isinstance(model, (PretrainedConfig, str, os.PathLike)):
             raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json or a local model "
                               f"directory, not {type(model).__name__}")
         set_seed(args.seed)  # the same initial weights as building the model after set_seed in run_clm
-        if plugin.meta_init:
-            built = plugin.build(model, progress=args.should_log)
-        else:
-            eager = build_eager(model)
-            self._no_cache_under_checkpointing(eager)
-            built = plugin.wrap(eager)
-        self._no_cache_under_checkpointing(built)
-        return built
-
-    def _no_cache_under_checkpointing(self, model: nn.Module) -> None:
-        config = getattr(model, "config", None)
-        if self.xla_fsdp_plugin.activation_checkpointing and getattr(config, "use_cache", False):
-            config.use_cache = False  # the KV cache is useless in training and breaks recomputation
+        # the root wrap turns the KV cache off under activation checkpointing (see wrapping.wrap_root)
+        return plugin.build(model, progress=args.should_log) if plugin.meta_init else plugin.wrap(build_eager(model))
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init()``'s model (module, config or path), built and wrapped like ``model``."""
@@ -281,7 +262,7 @@ class XlaFsdpTrainer(Trainer):
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-        from .checkpoint import commit_checkpoint, mark_complete, staging_dir, write_rank_file
+        from .checkpoint import commit_checkpoint, mark_complete, rank_world, staging_dir, write_rank_file
 
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
@@ -311,7 +292,7 @@ class XlaFsdpTrainer(Trainer):
 
             self.state.save_to_json(str(stage / TRAINER_STATE_NAME))
             self._save_side_files(stage)
-            world = self._world_size()
+            world = rank_world(self.model)[1]
             mark_complete(output_dir, world)
             if self.xla_fsdp_plugin.checkpoint_format == "sharded+consolidated":
                 self._consolidate_into(stage, stage)
@@ -325,14 +306,6 @@ class XlaFsdpTrainer(Trainer):
 
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-
-    def _world_size(self) -> int:
-        """Rank files per checkpoint: FSDP v1 ranks, or SPMD processes for v2."""
-        import torch_xla.runtime as xr
-
-        if self.xla_fsdp_plugin.version == 2:
-            return xr.process_count()
-        return int(self.model.get_shard_metadata()["world_size"])
 
     def _save_side_files(self, directory: Path) -> None:
         """config.json, generation_config.json, tokenizer and training_args.json of the run."""
