@@ -70,7 +70,7 @@ def run(index: int, args: argparse.Namespace) -> None:
     import torch_xla.runtime as xr
 
     from hf_xla_fsdp import XlaFsdpPlugin
-    from hf_xla_fsdp.planning import plan
+    from hf_xla_fsdp.build.planning import plan
 
     spawned_world = xr.world_size()
     world = args.world_size or spawned_world

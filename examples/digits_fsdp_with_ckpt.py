@@ -88,13 +88,13 @@ def reduce_accuracy(acc: float, count: int) -> float:
 def train_digits(rank: int, args: argparse.Namespace) -> dict:
     """Train, checkpoint, consolidate and compare; returns the results (the same on every rank)."""
     import torch_xla.runtime as xr
+    from image_data import load_digits_split, load_mnist_split
     from transformers import ResNetForImageClassification
 
     from hf_xla_fsdp import XlaFsdpPlugin
     from hf_xla_fsdp.checkpoint import save_checkpoint
-    from hf_xla_fsdp.consolidate import consolidate
+    from hf_xla_fsdp.checkpoint.consolidate import consolidate
     from hf_xla_fsdp.train import accuracy, train_step, xla_device
-    from image_data import load_digits_split, load_mnist_split
 
     torch.manual_seed(args.seed)
     data = load_mnist_split(args.datadir) if args.datadir else load_digits_split(args.image_size, seed=args.seed)

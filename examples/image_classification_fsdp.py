@@ -64,7 +64,7 @@ def model_config(args: argparse.Namespace, labels: list[str]):
     """The transformers config for ``--model`` (or ``--config_name``) with this data set's labels."""
     from transformers import AutoConfig, ResNetConfig, ViTConfig
 
-    common = dict(num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={l: i for i, l in enumerate(labels)})
+    common = dict(num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={name: i for i, name in enumerate(labels)})
     if args.config_name:
         return AutoConfig.from_pretrained(args.config_name, **common)
     if args.model == "resnet50":  # transformers' defaults are ResNet-50

@@ -18,7 +18,7 @@ import torch
 
 from hf_xla_fsdp import XlaFsdpPlugin
 from hf_xla_fsdp.checkpoint import load_checkpoint, save_checkpoint
-from hf_xla_fsdp.consolidate import consolidate
+from hf_xla_fsdp.checkpoint.consolidate import consolidate
 from hf_xla_fsdp.train import arithmetic_lm_batches, evaluate, perplexity, to_device, train_step, xla_device
 
 HERE = Path(__file__).resolve().parent

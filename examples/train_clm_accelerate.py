@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
+from clm_data import build_datasets
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, default_data_collator, get_scheduler
 
-from clm_data import build_datasets
-from hf_xla_fsdp.accelerate_glue import XlaFsdpAccelerator
-from hf_xla_fsdp.wrapping import fsdp_units, unwrap
+from hf_xla_fsdp import XlaFsdpAccelerator
+from hf_xla_fsdp.engines import fsdp_units, unwrap
 
 HERE = Path(__file__).resolve().parent
 
@@ -163,7 +163,7 @@ def main() -> None:
             "losses": losses, "steps": completed, "max_eval_batches": args.max_eval_batches,
             "eval_batch_size": args.per_device_eval_batch_size, "block_size": args.block_size}, indent=2))
     if args.push_to_hub and accelerator.is_main_process:
-        from hf_xla_fsdp.hub_export import PushError, export
+        from hf_xla_fsdp import PushError, export
 
         try:
             result = export(out / "final", out / "hub", repo_id=args.hub_model_id, push=True, overwrite=True)

@@ -2,17 +2,25 @@
 
 from typing import Any
 
-from .hub_export import export
-from .plugin import ConfigError, XlaFsdpPlugin
+from . import aliases
+from .errors import CheckpointError, ConfigError, PushError, XlaFsdpError
+from .integrations.hub import export
+from .plugin import XlaFsdpPlugin
 
-__version__ = "0.1.0"
-__all__ = ["ConfigError", "XlaFsdpPlugin", "XlaFsdpTrainer", "export", "__version__"]
+__version__ = "0.2.0"
+__all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", "XlaFsdpError", "XlaFsdpPlugin",
+           "XlaFsdpTrainer", "export", "__version__"]
+
+aliases.install()
+
+# the Trainer and the Accelerator pull in transformers / accelerate (and torch_xla); config-only
+# users and the CLI should not pay for them
+_LAZY = {"XlaFsdpTrainer": "integrations.trainer", "XlaFsdpAccelerator": "integrations.accelerate"}
 
 
 def __getattr__(name: str) -> Any:
-    # the Trainer pulls in transformers (and torch_xla); config-only users and the CLI should not pay for it
-    if name == "XlaFsdpTrainer":
-        from .trainer_glue import XlaFsdpTrainer
+    if name in _LAZY:
+        import importlib
 
-        return XlaFsdpTrainer
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'hf_xla_fsdp' has no attribute {name!r}")

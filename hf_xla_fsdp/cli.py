@@ -9,7 +9,8 @@ import sys
 from typing import Optional, Sequence
 
 from . import __version__
-from .plugin import ConfigError, XlaFsdpPlugin
+from .errors import ConfigError, PushError
+from .plugin import XlaFsdpPlugin
 
 
 def _plugin_from_args(args: argparse.Namespace) -> XlaFsdpPlugin:
@@ -24,7 +25,7 @@ def _plugin_from_args(args: argparse.Namespace) -> XlaFsdpPlugin:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print which blocks become FSDP units and the bytes each rank holds, without building anything."""
-    from .planning import plan
+    from .build.planning import plan
 
     report = plan(args.model, _plugin_from_args(args), world_size=args.world_size)
     print(json.dumps(report, indent=2))
@@ -46,7 +47,7 @@ def _no_xla_runtime() -> None:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Consolidate FSDP rank files into a from_pretrained-ready safetensors directory."""
     _no_xla_runtime()
-    from .consolidate import consolidate
+    from .checkpoint.consolidate import consolidate
 
     summary = consolidate(
         args.ckpt, args.output, ckpt_suffix=args.ckpt_suffix, config=args.config, dtype=args.dtype,
@@ -59,7 +60,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Consolidated model + model card in DIR, optionally pushed to the Hub."""
     _no_xla_runtime()
-    from .hub_export import PushError, export
+    from .integrations.hub import export
 
     try:
         result = export(

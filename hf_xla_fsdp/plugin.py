@@ -1,5 +1,12 @@
 """`XlaFsdpPlugin`: every XLA FSDP setting in one validated dataclass, readable from
-transformers' `fsdp_config` (dict or JSON) and from an accelerate YAML's `fsdp_config:` mapping."""
+transformers' `fsdp_config` (dict or JSON) and from an accelerate YAML's `fsdp_config:` mapping.
+
+Each setting is described once, by its field: its type and default, ``help``, the other spellings
+it is accepted under (``aliases``), whether it is an ``XlaFullyShardedDataParallel`` keyword
+(``fsdp_kwarg``, also accepted inside transformers' ``xla_fsdp_settings``) and which engines honour
+it (``engines``). The accepted keys, the aliases, the type checks and the "allowed keys" of error
+messages are all derived from these descriptions, so a new setting is one field.
+"""
 
 from __future__ import annotations
 
@@ -11,155 +18,94 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .errors import ConfigError
+from .settings import check_size, parse_bool, parse_dtype, parse_int
+
 if TYPE_CHECKING:  # keep torch_xla and transformers out of the import path of config-only users
     from transformers import PretrainedConfig
 
-
-class ConfigError(ValueError):
-    """A setting of the plugin is invalid; the message names the field and the allowed values."""
-
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 _SHARDING = ("zero3", "zero2")
 CHECKPOINT_FORMATS = ("sharded", "sharded+consolidated")
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
+_LEGACY_STRATEGIES = {"full_shard": "zero3", "shard_grad_op": "zero2"}
 
 
-def parse_dtype(value: Union[str, torch.dtype, None], field_name: str) -> Optional[torch.dtype]:
-    """Turn a dtype string such as ``"bf16"`` or ``"bfloat16"`` into a ``torch.dtype``."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPES:
-            return _DTYPES[key]
-    raise ConfigError(
-        f"{field_name}={value!r} is not a valid dtype; use one of: {', '.join(sorted(set(_DTYPES)))}"
-    )
+def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg: bool = False,
+            engines: Sequence[int] = (1, 2), minimum: int = 0) -> Any:
+    """A plugin field with its one description (see the module docstring for the keys)."""
+    return dataclasses.field(default=default, metadata={
+        "help": help, "aliases": tuple(aliases), "fsdp_kwarg": fsdp_kwarg, "engines": tuple(engines), "minimum": minimum})
 
 
-def _parse_bool(value: Any, field_name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
-        return value.strip().lower() in ("true", "1", "yes")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ConfigError(f"{field_name}={value!r} must be a boolean (true or false)")
-
-
-def _parse_int(value: Any, field_name: str, minimum: int = 0) -> int:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        out = int(value)
-        if isinstance(value, float) and out != value:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"{field_name}={value!r} must be an integer >= {minimum}") from None
-    if out < minimum:
-        raise ConfigError(f"{field_name}={value!r} must be an integer >= {minimum}")
-    return out
-
-
-def _check_shard_size(value: Any, field_name: str) -> None:
-    from huggingface_hub.serialization._base import parse_size_to_int
-
-    try:
-        if isinstance(value, bool) or (value if isinstance(value, int) else parse_size_to_int(value)) <= 0:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError(f"{field_name}={value!r} is not a size; use bytes or a string such as '5GB' or '500MB'") from None
+_V1 = (1,)
 
 
 @dataclass
 class XlaFsdpPlugin:
     """Settings for PyTorch/XLA Fully Sharded Data Parallel, applied with :meth:`wrap` or :meth:`build`.
 
-    Block selection: ``transformer_layer_cls_to_wrap`` (class names, default: the model's
-    ``_no_split_modules``) or ``min_num_params`` (size-based; wins when > 0).
-    ``sharding="zero3"`` wraps every selected block in its own FSDP unit and then the root;
-    ``"zero2"`` wraps only the root. The XLA FSDP options are passed to
-    ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel`` unchanged.
-
-    Saving: ``checkpoint_format`` is ``"sharded"`` (rank files only, the default) or
-    ``"sharded+consolidated"`` (each checkpoint also holds a ``from_pretrained``-ready copy);
-    ``consolidate_dtype`` (``"auto"`` keeps the trained dtype) and ``consolidate_max_shard_size``
-    shape every consolidated model.
+    Every field's ``help`` says what it does (``XlaFsdpPlugin.describe()`` lists them all).
     """
 
-    version: int = 1
-    transformer_layer_cls_to_wrap: Optional[list[str]] = None
-    min_num_params: int = 0
-    sharding: str = "zero3"
-    activation_checkpointing: bool = False
-    meta_init: bool = True
-    # XlaFullyShardedDataParallel options
-    compute_dtype: Optional[Union[str, torch.dtype]] = None
-    buffer_dtype: Optional[Union[str, torch.dtype]] = None
-    fp32_reduce_scatter: bool = False
-    reshard_after_forward: bool = True
-    flatten_parameters: bool = False
-    execute_sharding_on_init: bool = True
-    optimization_barrier_in_forward: bool = True
-    optimization_barrier_in_backward: bool = True
-    sync_on_finalization: bool = False
-    disable_reshard_on_root: bool = True
-    shard_param_on_dim_0: bool = False
-    pin_layout_in_collective_ops: bool = True
-    reduce_scatter_bucket_size_mb: int = 0
-    coalesce_all_gather_ops: bool = False
+    version: int = setting(1, "FSDP engine: 1 = XlaFullyShardedDataParallel (one process per device), "
+                              "2 = SpmdFullyShardedDataParallel (SPMD, one process drives every device)", minimum=1)
+    transformer_layer_cls_to_wrap: Optional[list[str]] = setting(
+        None, "class names of the blocks that become their own FSDP unit (default: the model's _no_split_modules)")
+    min_num_params: int = setting(0, "size-based wrapping instead: every module with at least this many "
+                                     "parameters becomes a unit (wins over class names when > 0)")
+    sharding: str = setting("zero3", "'zero3': a unit per selected block and the root; 'zero2': the root only",
+                            aliases=("sharding_strategy",))
+    activation_checkpointing: bool = setting(False, "recompute each block's activations in backward "
+                                                    "(torch_xla's checkpoint_module)", aliases=("xla_fsdp_grad_ckpt",))
+    meta_init: bool = setting(True, "build a model given as a config or directory on meta and materialize it "
+                                    "block by block (never whole in memory)")
+    # XlaFullyShardedDataParallel options, passed on unchanged
+    compute_dtype: Optional[Union[str, torch.dtype]] = setting(
+        None, "dtype of forward/backward compute (parameters stay fp32), e.g. 'bfloat16'", fsdp_kwarg=True, engines=_V1)
+    buffer_dtype: Optional[Union[str, torch.dtype]] = setting(
+        None, "dtype of buffers during compute", fsdp_kwarg=True, engines=_V1)
+    fp32_reduce_scatter: bool = setting(False, "reduce-scatter gradients in fp32", fsdp_kwarg=True, engines=_V1)
+    reshard_after_forward: bool = setting(True, "free gathered parameters after forward", fsdp_kwarg=True, engines=_V1)
+    flatten_parameters: bool = setting(False, "flatten each unit's parameters into one tensor", fsdp_kwarg=True,
+                                       engines=_V1)
+    execute_sharding_on_init: bool = setting(True, "run the sharding when wrapping", fsdp_kwarg=True, engines=_V1)
+    optimization_barrier_in_forward: bool = setting(True, "XLA optimization barrier in forward", fsdp_kwarg=True,
+                                                    engines=_V1)
+    optimization_barrier_in_backward: bool = setting(True, "XLA optimization barrier in backward", fsdp_kwarg=True,
+                                                     engines=_V1)
+    sync_on_finalization: bool = setting(False, "sync after each backward", fsdp_kwarg=True, engines=_V1)
+    disable_reshard_on_root: bool = setting(True, "keep the root unit's parameters gathered", fsdp_kwarg=True,
+                                            engines=_V1)
+    shard_param_on_dim_0: bool = setting(False, "shard parameters along dim 0 instead of flattening",
+                                         fsdp_kwarg=True, engines=_V1)
+    pin_layout_in_collective_ops: bool = setting(True, "pin layouts in collectives", fsdp_kwarg=True, engines=_V1)
+    reduce_scatter_bucket_size_mb: int = setting(0, "bucket reduce-scatters up to this size", fsdp_kwarg=True,
+                                                 engines=_V1)
+    coalesce_all_gather_ops: bool = setting(False, "coalesce all-gathers", fsdp_kwarg=True, engines=_V1)
     # explicit sharding group: lets one process build exactly what rank r of N holds
-    sharding_groups: Optional[list[list[int]]] = None
-    sharding_rank: Optional[int] = None
-    sharding_world_size: Optional[int] = None
-    # FSDP v2 (SPMD): devices form a (replica_size, N / replica_size) mesh; parameters are split over
-    # the second ("fsdp") axis and replicated over the first (hybrid sharding when > 1)
-    replica_size: int = 1
-    # saving: what a Trainer checkpoint holds, and the dtype / file size of consolidated models
-    checkpoint_format: str = "sharded"
-    consolidate_dtype: str = "auto"
-    consolidate_max_shard_size: Union[int, str] = "5GB"
-
-    _BOOL_FIELDS = (
-        "activation_checkpointing", "meta_init", "fp32_reduce_scatter", "reshard_after_forward",
-        "flatten_parameters", "execute_sharding_on_init", "optimization_barrier_in_forward",
-        "optimization_barrier_in_backward", "sync_on_finalization", "disable_reshard_on_root",
-        "shard_param_on_dim_0", "pin_layout_in_collective_ops", "coalesce_all_gather_ops",
-    )
-    _FSDP_KWARGS = (
-        "compute_dtype", "buffer_dtype", "fp32_reduce_scatter", "reshard_after_forward",
-        "flatten_parameters", "execute_sharding_on_init", "optimization_barrier_in_forward",
-        "optimization_barrier_in_backward", "sync_on_finalization", "disable_reshard_on_root",
-        "shard_param_on_dim_0", "pin_layout_in_collective_ops", "reduce_scatter_bucket_size_mb",
-        "coalesce_all_gather_ops", "sharding_groups", "sharding_rank", "sharding_world_size",
-    )
-
-    _V1_ONLY = (
-        "fp32_reduce_scatter", "reshard_after_forward", "flatten_parameters", "execute_sharding_on_init",
-        "optimization_barrier_in_forward", "optimization_barrier_in_backward", "sync_on_finalization",
-        "disable_reshard_on_root", "shard_param_on_dim_0", "pin_layout_in_collective_ops",
-        "reduce_scatter_bucket_size_mb", "coalesce_all_gather_ops", "sharding_groups", "sharding_rank",
-        "sharding_world_size",
-    )
+    sharding_groups: Optional[list[list[int]]] = setting(None, "explicit sharding groups (with sharding_rank and "
+                                                               "sharding_world_size)", fsdp_kwarg=True, engines=_V1)
+    sharding_rank: Optional[int] = setting(None, "this process's rank in its sharding group", fsdp_kwarg=True,
+                                           engines=_V1)
+    sharding_world_size: Optional[int] = setting(None, "size of the sharding group", fsdp_kwarg=True, engines=_V1)
+    replica_size: int = setting(1, "FSDP v2: devices form a (replica_size, N / replica_size) mesh; parameters are "
+                                   "split over the second axis and replicated over the first (hybrid when > 1)",
+                                minimum=1)
+    checkpoint_format: str = setting("sharded", "what a Trainer checkpoint holds: 'sharded' (rank files) or "
+                                                "'sharded+consolidated' (also a from_pretrained-ready copy)")
+    consolidate_dtype: str = setting("auto", "dtype of consolidated models ('auto' keeps the trained dtype)")
+    consolidate_max_shard_size: Union[int, str] = setting("5GB", "largest safetensors file of consolidated models")
 
     def __post_init__(self) -> None:
-        self.version = _parse_int(self.version, "version", 1)
-        if self.version not in (1, 2):
-            raise ConfigError(f"version={self.version!r} is not valid; allowed values: 1 (XlaFullyShardedDataParallel), "
-                              "2 (SPMD, SpmdFullyShardedDataParallel)")
-        self.replica_size = _parse_int(self.replica_size, "replica_size", 1)
-        for name in self._BOOL_FIELDS:
-            setattr(self, name, _parse_bool(getattr(self, name), name))
-        self.min_num_params = _parse_int(self.min_num_params, "min_num_params", 0)
-        self.reduce_scatter_bucket_size_mb = _parse_int(
-            self.reduce_scatter_bucket_size_mb, "reduce_scatter_bucket_size_mb", 0
-        )
+        for f in dataclasses.fields(self):  # the simple types, from the field descriptions
+            if f.type == "bool":
+                setattr(self, f.name, parse_bool(getattr(self, f.name), f.name))
+            elif f.type == "int":
+                setattr(self, f.name, parse_int(getattr(self, f.name), f.name, f.metadata["minimum"]))
+        from .engines import engine_for
+
+        engine = engine_for(self)  # an unknown version fails here, naming the allowed ones
         sharding = str(self.sharding).strip().lower()
         sharding = _SHARDING_ALIASES.get(sharding, sharding)
         if sharding not in _SHARDING:
@@ -186,41 +132,51 @@ class XlaFsdpPlugin:
         self.consolidate_dtype = str(self.consolidate_dtype).strip().lower()
         if self.consolidate_dtype != "auto":
             parse_dtype(self.consolidate_dtype, "consolidate_dtype")
-        _check_shard_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
+        check_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
         self.compute_dtype = parse_dtype(self.compute_dtype, "compute_dtype")
         self.buffer_dtype = parse_dtype(self.buffer_dtype, "buffer_dtype")
-        if self.version == 2:
-            self._check_v1_only()
+        engine.check_settings(self)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        changed = [n for n in self.engine_only_fields(self.version) if getattr(self, n) != defaults[n]]
+        if changed:
+            owners = sorted({v for f in dataclasses.fields(self) if f.name in changed for v in f.metadata["engines"]})
+            raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
+                              f"{' or '.join(f'version={v}' for v in owners)} only; remove it for version={self.version}")
         group = (self.sharding_groups, self.sharding_rank, self.sharding_world_size)
         if any(v is not None for v in group) and not all(v is not None for v in group):
             raise ConfigError(
                 "sharding_groups, sharding_rank and sharding_world_size must be given together (or none of them)"
             )
         if self.sharding_world_size is not None:
-            self.sharding_world_size = _parse_int(self.sharding_world_size, "sharding_world_size", 1)
-            self.sharding_rank = _parse_int(self.sharding_rank, "sharding_rank", 0)
+            self.sharding_world_size = parse_int(self.sharding_world_size, "sharding_world_size", 1)
+            self.sharding_rank = parse_int(self.sharding_rank, "sharding_rank", 0)
             if self.sharding_rank >= self.sharding_world_size:
                 raise ConfigError(
                     f"sharding_rank={self.sharding_rank} must be below sharding_world_size={self.sharding_world_size}"
                 )
 
-    def _check_v1_only(self) -> None:
-        if self.compute_dtype is not None or self.buffer_dtype is not None:
-            raise ConfigError("compute_dtype/buffer_dtype are not available with version=2: SpmdFullyShardedDataParallel "
-                              "has no mixed precision and XLA autocast fails in SDPA attention on torch_xla 2.9; "
-                              "remove them (parameters and compute stay fp32) or use version=1")
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        changed = [n for n in self._V1_ONLY if getattr(self, n) != defaults[n]]
-        if changed:
-            raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to version=1 "
-                              "(XlaFullyShardedDataParallel) only; remove it for version=2")
-
-    # ------------------------------------------------------------------ readers
+    # ------------------------------------------------------------------ descriptions
     @classmethod
     def field_names(cls) -> list[str]:
         """Names of every setting this plugin accepts."""
         return [f.name for f in dataclasses.fields(cls)]
 
+    @classmethod
+    def fsdp_kwarg_names(cls) -> list[str]:
+        """The settings passed to ``XlaFullyShardedDataParallel`` (also accepted inside ``xla_fsdp_settings``)."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata["fsdp_kwarg"]]
+
+    @classmethod
+    def engine_only_fields(cls, version: int) -> list[str]:
+        """Settings that the engine ``version`` does not honour (they must keep their defaults there)."""
+        return [f.name for f in dataclasses.fields(cls) if version not in f.metadata["engines"]]
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        """Every setting's help text, by name."""
+        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+
+    # ------------------------------------------------------------------ readers
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any], *, source: str = "settings") -> "XlaFsdpPlugin":
         """Build from our own vocabulary (field names, ``fsdp_`` prefixes allowed); unknown keys are errors."""
@@ -263,7 +219,7 @@ class XlaFsdpPlugin:
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``XlaFullyShardedDataParallel``."""
-        kwargs = {name: getattr(self, name) for name in self._FSDP_KWARGS}
+        kwargs = {name: getattr(self, name) for name in self.fsdp_kwarg_names()}
         for name in ("sharding_groups", "sharding_rank", "sharding_world_size"):
             if kwargs[name] is None:
                 del kwargs[name]
@@ -272,16 +228,16 @@ class XlaFsdpPlugin:
     # ------------------------------------------------------------------ actions
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model`` (eager, on CPU or XLA) with nested XLA FSDP per this plugin."""
-        from .wrapping import wrap_model
+        from .build.wrapping import wrap_model
 
         return wrap_model(model, self)
 
     def build(self, config_or_pretrained_dir: Union["PretrainedConfig", str, os.PathLike], **kwargs: Any) -> torch.nn.Module:
         """Construct the model on ``meta`` and materialize, wrap and shard it block by block.
 
-        See :func:`hf_xla_fsdp.meta_init.build_model` for the keyword arguments.
+        See :func:`hf_xla_fsdp.build.meta_init.build_model` for the keyword arguments.
         """
-        from .meta_init import build_model
+        from .build.meta_init import build_model
 
         return build_model(config_or_pretrained_dir, self, **kwargs)
 
@@ -304,62 +260,55 @@ def read_accelerate_yaml(path: Union[str, os.PathLike]) -> Any:
     return read_settings_file(path, "accelerate config", yaml.safe_load, yaml.YAMLError, "YAML") or {}
 
 
-# transformers' fsdp_config spelling -> ours
-_RENAMES = {
-    "xla_fsdp_grad_ckpt": "activation_checkpointing",
-    "sharding_strategy": "sharding",
-}
+# transformers' fsdp_config keys that are not settings of their own
+_SPECIAL_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_settings")
 
 
-_LEGACY_STRATEGIES = {"full_shard": "zero3", "shard_grad_op": "zero2"}
+def _aliases() -> dict[str, str]:
+    return {alias: f.name for f in dataclasses.fields(XlaFsdpPlugin) for alias in f.metadata["aliases"]}
 
 
 def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
     """Map transformers/accelerate spellings onto field names; reject anything unknown."""
     fields = set(XlaFsdpPlugin.field_names())
+    aliases = _aliases()
+    kwargs = XlaFsdpPlugin.fsdp_kwarg_names()
     out: dict[str, Any] = {}
     for raw_key, value in settings.items():
         key = str(raw_key)
         key = key[len("fsdp_"):] if key.startswith("fsdp_") else key
         if key == "xla":
-            if not _parse_bool(value, "xla"):
+            if not parse_bool(value, "xla"):
                 raise ConfigError(f"xla={value!r} in {source}: hf_xla_fsdp configures XLA FSDP; set xla to true")
             continue
         if key == "xla_fsdp_v2":
-            if _parse_bool(value, "xla_fsdp_v2"):
+            if parse_bool(value, "xla_fsdp_v2"):
                 out["version"] = 2
             continue
         if key == "xla_fsdp_settings":
             if not isinstance(value, Mapping):
                 raise ConfigError(f"xla_fsdp_settings in {source} must be a mapping of XlaFullyShardedDataParallel options")
             for sub_key, sub_value in value.items():
-                if sub_key not in XlaFsdpPlugin._FSDP_KWARGS:
-                    raise ConfigError(
-                        f"unknown key xla_fsdp_settings.{sub_key} in {source}; allowed: {', '.join(XlaFsdpPlugin._FSDP_KWARGS)}"
-                    )
+                if sub_key not in kwargs:
+                    raise ConfigError(f"unknown key xla_fsdp_settings.{sub_key} in {source}; allowed: {', '.join(kwargs)}")
                 out[sub_key] = sub_value
             continue
         if key == "reshard_after_forward" and isinstance(value, str) and value.lower() in _LEGACY_STRATEGIES:
             # transformers turns a legacy `--fsdp "full_shard"` into this FSDP1 strategy name
             out["sharding"] = _LEGACY_STRATEGIES[value.lower()]
             continue
-        key = _RENAMES.get(key, key)
+        key = aliases.get(key, key)
         if key not in fields:
             raise ConfigError(
-                f"unknown key {raw_key!r} in {source}; allowed: xla, xla_fsdp_v2, xla_fsdp_settings, "
-                f"xla_fsdp_grad_ckpt, {', '.join(sorted(fields))}"
+                f"unknown key {raw_key!r} in {source}; allowed: {', '.join(_SPECIAL_KEYS)}, "
+                f"{', '.join(sorted(set(aliases) | fields))}"
             )
         out[key] = value
     return out
 
 
 def resolve_classes(model: torch.nn.Module, names: Sequence[str]) -> set[type]:
-    """Resolve module class names against the classes that occur in ``model``."""
-    present = {type(m).__name__: type(m) for m in model.modules()}
-    missing = [n for n in names if n not in present]
-    if missing:
-        raise ConfigError(
-            f"transformer_layer_cls_to_wrap names {missing} not found in {type(model).__name__}; "
-            f"its module classes are: {', '.join(sorted(present))}"
-        )
-    return {present[n] for n in names}
+    """Resolve module class names against the classes in ``model`` (see :func:`hf_xla_fsdp.build.wrapping.resolve_classes`)."""
+    from .build.wrapping import resolve_classes as resolve
+
+    return resolve(model, names)

@@ -20,14 +20,19 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .plugin import ConfigError, XlaFsdpPlugin
+from ..checkpoint.safetensors_io import SafetensorsReader
+from ..errors import ConfigError
+from ..runtime import sync
+
+if TYPE_CHECKING:
+    from ..plugin import XlaFsdpPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +110,6 @@ def model_class(config: Any, model_cls: Any = None) -> Any:
         if hasattr(transformers, name):
             return getattr(transformers, name)
     if type(config) not in transformers.AutoModelForCausalLM._model_mapping:
-        from .plugin import ConfigError
-
         raise ConfigError(f"{type(config).__name__} names no model class and is not a causal LM: set "
                           "config.architectures (e.g. ['ResNetForImageClassification']) or pass model_cls=")
     return transformers.AutoModelForCausalLM
@@ -309,8 +312,6 @@ class Materializer:
     def _handle(self, path: Path) -> Any:
         # plain reads rather than safe_open's memory map: mapped pages of a checkpoint larger than
         # host memory would count against the process until the map is closed
-        from .rank_files import SafetensorsReader
-
         if path not in self._files:
             try:
                 self._files[path] = SafetensorsReader(path)
@@ -419,7 +420,7 @@ def _post_order(module: nn.Module, stop: set[nn.Module]) -> list[nn.Module]:
 
 def build_model(
     source: Any,
-    plugin: XlaFsdpPlugin,
+    plugin: "XlaFsdpPlugin",
     *,
     model_cls: Any = None,
     dtype: torch.dtype = torch.float32,
@@ -430,9 +431,11 @@ def build_model(
     With ``plugin.meta_init`` (the default) each block is materialized, wrapped and sharded in
     turn; otherwise the model is built eagerly on the host and then wrapped (the reference path).
     """
+    from ..engines import engine_for
     from .wrapping import replace_submodule, select_blocks, wrap_block, wrap_model, wrap_root
 
     src = resolve_source(source)
+    engine_for(plugin).setup_runtime(plugin)
     if not plugin.meta_init:
         return wrap_model(build_eager(src, model_cls=model_cls, dtype=dtype), plugin)
 
@@ -443,8 +446,6 @@ def build_model(
     done: set[nn.Module] = set()
     filler = Materializer(sk)
     from tqdm.auto import tqdm
-
-    from .train import sync
 
     nested = plugin.sharding == "zero3"
     for name, block in tqdm(list(zip(names, blocks)), desc="materialize+shard blocks", disable=not progress, unit="block"):

@@ -1,7 +1,7 @@
 """Export for the Hub: a from_pretrained-ready directory plus a generated model card, optionally pushed.
 
 SOURCE is a sharded FSDP checkpoint (consolidated on the fly, streaming) or a directory that is
-already consolidated. The card is rendered from ``model_cards/model_card_template.md`` with
+already consolidated. The card is rendered from the package's ``templates/model_card.md`` with
 huggingface_hub's ``ModelCard``/``ModelCardData``; its numbers come from the checkpoint.
 """
 
@@ -14,20 +14,28 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .atomic import check_output, prepare_output, publish
-from .consolidate import TRAINING_INFO, consolidate
-from .plugin import ConfigError
-from .rank_files import SafetensorsReader
+from ..checkpoint.consolidate import TRAINING_INFO, consolidate
+from ..checkpoint.layout import check_output, prepare_output, publish
+from ..checkpoint.safetensors_io import SafetensorsReader
+from ..errors import ConfigError, PushError
 
-TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "model_card_template.md"
+__all__ = ["PushError", "count_parameters", "export", "push_folder", "render_card", "template_text"]
 _PIPELINES = (("ForCausalLM", "text-generation", "AutoModelForCausalLM"), ("ForMaskedLM", "fill-mask", "AutoModelForMaskedLM"),
               ("ForSequenceClassification", "text-classification", "AutoModelForSequenceClassification"),
               ("ForImageClassification", "image-classification", "AutoModelForImageClassification"),
               ("ForSeq2SeqLM", "text2text-generation", "AutoModelForSeq2SeqLM"))
 
 
-class PushError(RuntimeError):
-    """Uploading to the Hub failed; the exported directory is complete and can be pushed later."""
+def template_text() -> str:
+    """The model card template shipped inside the package (read as package data, wherever it is installed)."""
+    from importlib.resources import files
+
+    return files("hf_xla_fsdp").joinpath("templates", "model_card.md").read_text(encoding="utf-8")
+
+
+# training records name the engine; the titles match hf_xla_fsdp.engines (not imported: no XLA runtime here)
+_ENGINE_TITLES = {"xla_fsdp_v1": "FSDP v1 (XlaFullyShardedDataParallel)",
+                  "xla_fsdp_v2": "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
 
 
 def _is_consolidated(path: Path) -> bool:
@@ -92,11 +100,10 @@ def render_card(directory: Path, *, model_name: str, license: Optional[str] = No
     sharding = plugin.get("sharding")
     has_tokenizer = any((directory / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     card = ModelCard.from_template(
-        data, template_path=str(TEMPLATE), model_name=model_name,
+        data, template_str=template_text(), model_name=model_name,
         model_type_title=config.get("model_type", "transformers").capitalize(),
         num_parameters=num_params, num_parameters_human=_human(num_params),
-        engine={"xla_fsdp_v1": "FSDP v1 (XlaFullyShardedDataParallel)",
-                "xla_fsdp_v2": "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}.get(info.get("engine"), "unknown"),
+        engine=_ENGINE_TITLES.get(info.get("engine"), "unknown"),
         sharding={"zero3": "ZeRO-3 (nested units per block + root)", "zero2": "ZeRO-2 (root unit only)"}.get(sharding, "unknown"),
         world_size=info.get("world_size", "unknown"), compute_dtype=plugin.get("compute_dtype") or "float32",
         activation_checkpointing="yes" if plugin.get("activation_checkpointing") else ("no" if plugin else "unknown"),

@@ -14,7 +14,7 @@ extra keys ``meta_init``, ``sharding``, ``checkpoint_format``, ``consolidate_dty
 * the final ``save_model`` streams the shards into a ``from_pretrained``-ready safetensors model in
   ``output_dir`` (beside the ``checkpoint-*`` directories), tokenizer and training record included;
 * gradients are not all-reduced again after FSDP's reduce-scatter and clipping takes the
-  norm over every shard (the accelerator is :class:`~hf_xla_fsdp.accelerate_glue.XlaFsdpAccelerator`).
+  norm over every shard (the accelerator is :class:`~hf_xla_fsdp.integrations.accelerate.XlaFsdpAccelerator`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -34,7 +32,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, Trainer, TrainingArguments
 
-from .plugin import ConfigError, XlaFsdpPlugin
+from ..engines import engine_for, engine_of, is_wrapped, unwrap
+from ..errors import ConfigError
+from ..plugin import XlaFsdpPlugin
 
 logger = logging.getLogger(__name__)
 
@@ -70,39 +70,15 @@ def enable_spmd_if_configured(argv: Optional[list[str]] = None) -> bool:
     if value is None:
         return False
     settings = json.loads(value) if value.lstrip().startswith("{") else value
-    if XlaFsdpPlugin.from_fsdp_config(settings).version != 2:  # also reports a bad config before anything runs
-        return False
-    from .spmd import enable_spmd
-
-    enable_spmd()
-    return True
+    plugin = XlaFsdpPlugin.from_fsdp_config(settings)  # also reports a bad config before anything runs
+    engine = engine_for(plugin)
+    engine.setup_runtime(plugin)
+    return engine.spmd
 
 
 def original_parameter_names(model: nn.Module) -> dict[str, str]:
     """FSDP parameter name -> the user's parameter name (a flattened group maps to its first member)."""
-    from .consolidate import clean_name
-    from .spmd import clean_name as clean_v2
-    from .wrapping import is_v2
-
-    if is_v2(model):  # FSDP v2 keeps every parameter whole in name: only the wrapper prefix goes
-        return {name: clean_v2(name) for name, _ in model.named_parameters()}
-    shard_info = model.get_shard_metadata()["shard_info"]
-    out = {}
-    for name, _ in model.named_parameters():
-        parts = name.split(".")
-        idx = next((i for i, p in enumerate(parts) if p.startswith("_fsdp_shard")), None)
-        if idx is None:
-            out[name] = clean_name(name)
-            continue
-        prefix, suffix = ".".join(parts[:idx]), ".".join(parts[idx:])
-        # parameter names pass through the flatten wrapper (_fpw_module); shard_info keys do not
-        prefix = prefix.replace("_fpw_module.", "").removesuffix("._fpw_module")
-        try:
-            orig = shard_info[prefix][suffix]["_orig_name"]
-        except KeyError:
-            raise ConfigError(f"{name} has no entry in the FSDP shard metadata") from None
-        out[name] = clean_name(f"{prefix}.{orig}" if prefix else orig)
-    return out
+    return engine_of(model).original_names(model)
 
 
 class XlaFsdpTrainer(Trainer):
@@ -120,16 +96,12 @@ class XlaFsdpTrainer(Trainer):
         if args is None:
             raise ConfigError("XlaFsdpTrainer needs TrainingArguments with --fsdp and --fsdp_config (\"xla\": true)")
         self.xla_fsdp_plugin = fsdp_plugin or plugin_from_training_args(args)
-        if self.xla_fsdp_plugin.version == 2:
-            import torch_xla.runtime as xr
-
-            from .spmd import enable_spmd
-
-            if not xr.is_spmd() and args.world_size > 1:
-                raise ConfigError("FSDP v2 needs SPMD before TrainingArguments are built (they counted "
-                                  f"{args.world_size} processes): call hf_xla_fsdp.spmd.enable_spmd() or "
-                                  "hf_xla_fsdp.trainer_glue.enable_spmd_if_configured() first")
-            enable_spmd()  # one process drives every device; must precede the first XLA tensor
+        engine = engine_for(self.xla_fsdp_plugin)
+        if not engine.runtime_ready(args.world_size):
+            raise ConfigError("FSDP v2 needs SPMD before TrainingArguments are built (they counted "
+                              f"{args.world_size} processes): call hf_xla_fsdp.engines.v2.enable_spmd() or "
+                              "hf_xla_fsdp.integrations.trainer.enable_spmd_if_configured() first")
+        engine.setup_runtime(self.xla_fsdp_plugin)  # FSDP v2: one process drives every device, before any XLA tensor
         optim = str(getattr(args.optim, "value", args.optim))
         if optim in _FUSED_OPTIMIZERS:
             # torch's fused AdamW has no XLA kernel; the same update unfused compiles into the step graph
@@ -139,18 +111,12 @@ class XlaFsdpTrainer(Trainer):
             model = self._materialize(model, args)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._inspect_inner_model()
-        if self.xla_fsdp_plugin.version == 2:
-            from .spmd import get_mesh
-
-            # the stock v2 path set its own ("fsdp", "tensor") mesh and would shard batches on it; ours
-            # shards batches over every device (hybrid meshes included) in the dataloaders below
-            self.is_fsdp_xla_v2_enabled = self.is_fsdp_xla_v1_enabled = False
-            self._mesh = get_mesh(self.xla_fsdp_plugin)
+        # the stock XLA FSDP paths (v1 wrap in _wrap_model, v2's own ("fsdp", "tensor") mesh and batch sharding)
+        # stay off: our engine wraps the model and shards the batches in the dataloaders below
+        self.is_fsdp_xla_v2_enabled = self.is_fsdp_xla_v1_enabled = False
 
     def _shard_inputs(self, loader: Any) -> Any:
-        from .spmd import shard_loader_inputs
-
-        return shard_loader_inputs(loader, self._mesh) if self.xla_fsdp_plugin.version == 2 else loader
+        return engine_for(self.xla_fsdp_plugin).prepare_loader(loader, self.xla_fsdp_plugin)
 
     def get_train_dataloader(self) -> Any:
         """Trainer's loader; with FSDP v2 its batches are split over every device."""
@@ -168,8 +134,6 @@ class XlaFsdpTrainer(Trainer):
         """Label names and loss support from the transformers model, not from its FSDP wrapper's class."""
         from transformers.utils import can_return_loss, find_labels
 
-        from .wrapping import unwrap
-
         if self.model is None:
             return
         inner = type(unwrap(self.model))
@@ -178,8 +142,6 @@ class XlaFsdpTrainer(Trainer):
         self.can_return_loss = can_return_loss(inner)
 
     def _set_signature_columns_if_needed(self) -> None:
-        from .wrapping import unwrap
-
         if self._signature_columns is None:
             # FSDP's forward(*args, **kwargs) hides the columns the model really takes
             self._signature_columns = list(inspect.signature(unwrap(self.model).forward).parameters)
@@ -189,8 +151,7 @@ class XlaFsdpTrainer(Trainer):
     def _materialize(self, model: Any, args: TrainingArguments) -> nn.Module:
         from transformers import set_seed
 
-        from .meta_init import build_eager
-        from .wrapping import is_wrapped
+        from ..build.meta_init import build_eager
 
         plugin = self.xla_fsdp_plugin
         if isinstance(model, nn.Module):
@@ -207,8 +168,6 @@ class XlaFsdpTrainer(Trainer):
         return self._materialize(super().call_model_init(trial), self.args)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
-        from .wrapping import is_wrapped
-
         if is_wrapped(model):
             return model  # never a second FSDP wrap (the stock path would wrap again here)
         return self.xla_fsdp_plugin.wrap(model) if training else model
@@ -220,7 +179,7 @@ class XlaFsdpTrainer(Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` as the accelerator."""
-        from .accelerate_glue import XlaFsdpAccelerator
+        from .accelerate import XlaFsdpAccelerator
 
         super().create_accelerator_and_postprocess()
         kwargs = dict(self._accelerator_kwargs)
@@ -237,8 +196,6 @@ class XlaFsdpTrainer(Trainer):
 
         A flattened group (``flatten_parameters``) is one tensor, so it decays as a whole.
         """
-        from .wrapping import is_wrapped, unwrap
-
         if not is_wrapped(model):
             return super().get_decay_parameter_names(model)
         inner = unwrap(model)
@@ -262,42 +219,41 @@ class XlaFsdpTrainer(Trainer):
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-        from .checkpoint import commit_checkpoint, mark_complete, rank_world, staging_dir, write_rank_file
+        from ..checkpoint import save_checkpoint
+        from ..checkpoint.consolidate import consolidate_into
 
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        optimizer = None if self.args.save_only_model else self._raw_optimizer()
-        scheduler = None if self.args.save_only_model else self.lr_scheduler
-        write_rank_file(output_dir, self.model, optimizer, scheduler, step=self.state.global_step,
-                        plugin=self.xla_fsdp_plugin, extra={"trainer": True, **self._training_record()})
-        self.accelerator.wait_for_everyone()
-
         if self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] \
                 and self.state.best_global_step:
             best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
             if best == output_dir or best.exists():
                 self.state.best_model_checkpoint = str(best)
 
-        if self.args.should_save:
-            stage = staging_dir(output_dir)
+        def finish(stage: Path) -> None:
+            """Rank 0, the rank files marked complete: trainer state and side files join before publication."""
+            from transformers.trainer import TRAINER_STATE_NAME
+
             for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
                 name, cb_state = cb.__class__.__name__, cb.state()
                 if isinstance(self.state.stateful_callbacks[name], list):
                     self.state.stateful_callbacks[name].append(cb_state)
                 else:
                     self.state.stateful_callbacks[name] = cb_state
-            from transformers.trainer import TRAINER_STATE_NAME
-
             self.state.save_to_json(str(stage / TRAINER_STATE_NAME))
             self._save_side_files(stage)
-            world = rank_world(self.model)[1]
-            mark_complete(output_dir, world)
             if self.xla_fsdp_plugin.checkpoint_format == "sharded+consolidated":
-                self._consolidate_into(stage, stage)
-            commit_checkpoint(output_dir, world, marked=True)
-        self.accelerator.wait_for_everyone()
+                consolidate_into(stage, stage, dtype=self.xla_fsdp_plugin.consolidate_dtype,
+                                 max_shard_size=self.xla_fsdp_plugin.consolidate_max_shard_size,
+                                 progress=not self.args.disable_tqdm)
+
+        save_only_model = self.args.save_only_model
+        save_checkpoint(output_dir, self.model, None if save_only_model else self._raw_optimizer(),
+                        None if save_only_model else self.lr_scheduler, step=self.state.global_step,
+                        plugin=self.xla_fsdp_plugin, extra={"trainer": True, **self._training_record()},
+                        barrier=lambda tag: self.accelerator.wait_for_everyone(), before_commit=finish)
 
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
@@ -309,8 +265,6 @@ class XlaFsdpTrainer(Trainer):
 
     def _save_side_files(self, directory: Path) -> None:
         """config.json, generation_config.json, tokenizer and training_args.json of the run."""
-        from .wrapping import unwrap
-
         inner = unwrap(self.model)
         config = getattr(inner, "config", None)
         if config is not None:
@@ -321,20 +275,6 @@ class XlaFsdpTrainer(Trainer):
         if self.processing_class is not None:
             self.processing_class.save_pretrained(str(directory))
         (directory / "training_args.json").write_text(self.args.to_json_string())
-
-    def _consolidate_into(self, marked_ckpt: Path, output: Path) -> None:
-        """Stream the marked checkpoint at ``marked_ckpt`` into a from_pretrained model merged into ``output``."""
-        from .atomic import merge_into
-        from .consolidate import consolidate
-
-        tmp = output.parent / f".{output.name}.consolidated-{uuid.uuid4().hex[:8]}"
-        try:
-            consolidate(marked_ckpt, tmp, dtype=self.xla_fsdp_plugin.consolidate_dtype,
-                        max_shard_size=self.xla_fsdp_plugin.consolidate_max_shard_size,
-                        progress=not self.args.disable_tqdm)
-            merge_into(tmp, output)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def _training_record(self) -> dict[str, Any]:
         """Losses of the run so far (for the consolidated model's training record and model card)."""
@@ -347,7 +287,7 @@ class XlaFsdpTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         """Check ``resume_from_checkpoint`` is one of our complete checkpoints (loaded after the optimizer exists)."""
-        from .rank_files import COMPLETE_MARKER, read_marker
+        from ..checkpoint import COMPLETE_MARKER, read_marker
 
         path = Path(resume_from_checkpoint)
         if not (path / COMPLETE_MARKER).is_file() and any(path.glob("rank*-of-*-pytorch_model.bin")):
@@ -357,7 +297,7 @@ class XlaFsdpTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Restore this rank's model shard, optimizer and scheduler (any saved world size)."""
-        from .checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
 
         if checkpoint is None:
             return
@@ -365,13 +305,13 @@ class XlaFsdpTrainer(Trainer):
                         None if self.args.save_only_model else self.lr_scheduler, restore_rng=False)
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
-        from .checkpoint import restore_rng_state
+        from ..checkpoint import restore_rng_state
 
         if checkpoint is not None:
             restore_rng_state(checkpoint, self.model)
 
     def _load_best_model(self) -> None:
-        from .checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
 
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
         load_checkpoint(self.state.best_model_checkpoint, self.model, restore_rng=False)
@@ -383,23 +323,17 @@ class XlaFsdpTrainer(Trainer):
         Every rank writes its shard; the main process streams them into safetensors beside whatever
         ``output_dir`` already holds (``checkpoint-*`` stay), with config, tokenizer and training record.
         """
-        from .checkpoint import save_checkpoint
-        from .wrapping import is_wrapped
+        from ..checkpoint.consolidate import save_consolidated
 
         if not is_wrapped(self.model):
             raise ConfigError("save_model needs the FSDP-wrapped model; build the trainer with a model or call train() first")
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
-        shards = output.parent / f".{output.name}.sharded-{self.state.global_step}"
-        save_checkpoint(shards, self.model, step=self.state.global_step, plugin=self.xla_fsdp_plugin,
-                        extra=self._training_record(), barrier=lambda tag: self.accelerator.wait_for_everyone())
+        save_consolidated(self.model, output, self.xla_fsdp_plugin, is_main=self.args.should_save,
+                          step=self.state.global_step, extra=self._training_record(),
+                          barrier=lambda tag: self.accelerator.wait_for_everyone(), add_files=self._save_side_files,
+                          progress=not self.args.disable_tqdm)
         if self.args.should_save:
-            try:
-                self._save_side_files(shards)
-                self._consolidate_into(shards, output)
-                (output / "training_args.json").write_text(self.args.to_json_string())
-            finally:
-                shutil.rmtree(shards, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
+            (output / "training_args.json").write_text(self.args.to_json_string())
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -409,7 +343,7 @@ class XlaFsdpTrainer(Trainer):
                           dataset_tags: Any = None, dataset: Union[str, list[str], None] = None,
                           dataset_args: Any = None) -> None:
         """README.md for ``output_dir`` from our model card template and the saved training record."""
-        from .hub_export import render_card
+        from .hub import render_card
 
         if not self.is_world_process_zero():
             return

@@ -1,8 +1,10 @@
-"""Streaming consolidation of FSDP v1 rank files into a ``from_pretrained``-ready safetensors checkpoint.
+"""Streaming consolidation of rank files into a ``from_pretrained``-ready safetensors checkpoint.
 
-Every output tensor is assembled from only the rows of each rank file it needs and written
-straight into its safetensors shard, so peak host memory stays near one tensor, however large
-the model or the output shards. No XLA runtime is needed: torch_xla is never imported here.
+Every output tensor is assembled from only the bytes of each rank file it needs (rows of flat
+FSDP v1 shards, or the pieces of FSDP v2 slices) and written straight into its safetensors shard,
+so peak host memory stays near one tensor, however large the model or the output shards. No XLA
+runtime is needed: torch_xla is never imported here. :func:`save_consolidated` is the one
+save-then-consolidate path of the Trainer and accelerate glue.
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import logging
 import math
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
+from torch import nn
 
-from .atomic import prepare_output, publish, write_bytes_atomic
-from .plugin import ConfigError, parse_dtype
-from .rank_files import (
-    MODEL_PREFIX, CheckpointError, RankSet, gather_rows, open_checkpoint, write_safetensors_streaming,
-)
+from ..errors import CheckpointError, ConfigError
+from ..settings import parse_dtype
+from .layout import MODEL_PREFIX, merge_into, prepare_output, publish, write_bytes_atomic
+from .readers import LAYOUT_PIECES, RankSet, clean_name, gather_rows, merge_pieces, open_checkpoint, read_pieces
+from .safetensors_io import dtype_from_name, write_safetensors_streaming
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +34,6 @@ logger = logging.getLogger(__name__)
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
               "chat_template.json", "generation_config.json", "preprocessor_config.json")
-_WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_fpw_module.")
-
-
-def clean_name(name: str) -> str:
-    """The user's parameter name inside FSDP wrappers (``_fsdp_wrapped_module.``/``_fpw_module.`` removed)."""
-    for part in _WRAPPER_NAMES:
-        name = name.replace(part, "")
-    return name
-
-
 @dataclass
 class OutputTensor:
     """One tensor of the consolidated model and where its elements live in the rank files."""
@@ -84,19 +78,14 @@ class SpmdOutputTensor:
 
     def read(self, ranks: RankSet) -> torch.Tensor:
         """Assemble this tensor from its pieces (only those bytes are read)."""
-        from .checkpoint import read_spmd_tensor
-
-        return read_spmd_tensor(self.entry).to(self.dtype)
+        return read_pieces(self.entry).to(self.dtype)
 
 
 def plan_outputs(ranks: RankSet) -> list[Any]:
     """Every tensor of the full model, in rank 0's order, from the shard metadata alone."""
-    if ranks.engine == "spmd":
-        from .checkpoint import spmd_entries
-        from .spmd import dtype_from_name
-
+    if ranks.layout == LAYOUT_PIECES:
         return [SpmdOutputTensor(name[len(MODEL_PREFIX):], tuple(e["shape"]), dtype_from_name(e["dtype"]), e)
-                for name, e in spmd_entries(ranks.files).items() if name.startswith(MODEL_PREFIX)]
+                for name, e in merge_pieces(ranks.files).items() if name.startswith(MODEL_PREFIX)]
     md = ranks.shard_metadata
     first = ranks.files[0]
     buffer_info = md.get("buffer_info", {})
@@ -153,7 +142,7 @@ def load_config(config: Union[str, os.PathLike, None], ranks: RankSet) -> Any:
 
 def expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes of the tensors ``from_pretrained`` expects for ``config``, and its tied names."""
-    from .meta_init import model_class
+    from ..build.meta_init import model_class
 
     cls = model_class(config)
     with torch.device("meta"):  # transformers skips weight init on meta; nothing is allocated
@@ -185,8 +174,9 @@ def training_info(ranks: RankSet) -> dict[str, Any]:
     meta = ranks.meta
     if not meta:
         return {"engine": "xla_fsdp_v1", "world_size": ranks.world_size}
-    engine = "xla_fsdp_v2" if ranks.engine == "spmd" else "xla_fsdp_v1"
-    world = meta.get("devices", ranks.world_size) if ranks.engine == "spmd" else ranks.world_size
+    pieces = ranks.layout == LAYOUT_PIECES  # FSDP v2 saves one file per process; its world is the device count
+    engine = "xla_fsdp_v2" if pieces else "xla_fsdp_v1"
+    world = meta.get("devices", ranks.world_size) if pieces else ranks.world_size
     extra = meta.get("extra") or {}
     losses = extra.get("losses") or {}
     metrics = {}
@@ -287,3 +277,57 @@ def consolidate(
         "files": sorted(split.filename_to_tensors), "total_bytes": sum(t.numel * t.dtype.itemsize for t in plan),
         "side_files": side,
     }
+
+
+# --------------------------------------------------------------------------- save, then consolidate
+def save_consolidated(
+    model: nn.Module,
+    output: Union[str, os.PathLike],
+    plugin: Any = None,
+    *,
+    is_main: bool,
+    step: int = 0,
+    extra: Optional[dict[str, Any]] = None,
+    barrier: Optional[Callable[[str], None]] = None,
+    add_files: Optional[Callable[[Path], None]] = None,
+    dtype: Optional[str] = None,
+    max_shard_size: Union[int, str, None] = None,
+    progress: bool = True,
+) -> Path:
+    """A ``from_pretrained``-ready model in ``output`` from a wrapped model: every rank saves its shard, then
+    the main process streams the shards into safetensors merged into ``output``.
+
+    ``output`` may already hold other things (``checkpoint-*`` directories, logs): they stay; weight
+    files of an earlier save are replaced as a whole. ``add_files(dir)`` adds side files (config,
+    tokenizer, ...) next to the shards before consolidation, which copies them. ``dtype`` and
+    ``max_shard_size`` default to the plugin's ``consolidate_dtype`` / ``consolidate_max_shard_size``.
+    Call it on every rank.
+    """
+    from .save import save_checkpoint
+
+    output = Path(output)
+    shards = output.parent / f".{output.name}.sharded-{step}"  # the same name on every rank, no coordination
+    save_checkpoint(shards, model, step=step, plugin=plugin, extra=extra, barrier=barrier)
+    if is_main:
+        try:
+            if add_files is not None:
+                add_files(shards)
+            consolidate_into(shards, output, dtype=dtype or getattr(plugin, "consolidate_dtype", "auto"),
+                             max_shard_size=max_shard_size or getattr(plugin, "consolidate_max_shard_size", "5GB"),
+                             progress=progress)
+        finally:
+            shutil.rmtree(shards, ignore_errors=True)
+    if barrier is not None:
+        barrier("hf_xla_fsdp.save_consolidated.done")
+    return output
+
+
+def consolidate_into(ckpt: Path, output: Path, *, dtype: str = "auto", max_shard_size: Union[int, str] = "5GB",
+                     progress: bool = True) -> None:
+    """Consolidate the complete (marked) checkpoint ``ckpt`` and merge the result into ``output``."""
+    tmp = output.parent / f".{output.name}.consolidated-{uuid.uuid4().hex[:8]}"
+    try:
+        consolidate(ckpt, tmp, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+        merge_into(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,49 +1,54 @@
-"""Choosing the blocks that become FSDP units and wrapping them (nested ZeRO-3 or root-only ZeRO-2)."""
+"""Choosing the blocks that become FSDP units and wrapping them (nested ZeRO-3 or root-only ZeRO-2).
+
+The selection follows torch_xla's auto-wrap decision procedure on module classes or sizes; the
+wrapping itself is the engine's (:meth:`~hf_xla_fsdp.engines.base.Engine.wrap_block`).
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from torch import nn
 
-from .plugin import ConfigError, XlaFsdpPlugin, resolve_classes
+from ..engines import engine_for, fsdp_units, is_wrapped, unit_classes, unwrap
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..plugin import XlaFsdpPlugin
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["check_not_wrapped", "fsdp_class", "fsdp_classes", "fsdp_units", "is_wrapped", "replace_submodule",
+           "resolve_classes", "select_blocks", "unwrap", "wrap_block", "wrap_model", "wrap_root"]
+
 
 def fsdp_class() -> type:
-    """``XlaFullyShardedDataParallel`` (imported lazily: importing torch_xla starts its runtime)."""
-    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+    """``XlaFullyShardedDataParallel``, FSDP v1's unit class (imported lazily: importing torch_xla starts its runtime)."""
+    from ..engines import ENGINES
 
-    return XlaFullyShardedDataParallel
+    return ENGINES[1].unit_class()
 
 
 def fsdp_classes() -> tuple[type, ...]:
-    """The FSDP unit classes of both engines: v1 ``XlaFullyShardedDataParallel``, v2 ``SpmdFullyShardedDataParallel``."""
-    from .spmd import spmd_class
-
-    return fsdp_class(), spmd_class()
+    """The FSDP unit classes of every engine."""
+    return unit_classes()
 
 
-def is_wrapped(model: nn.Module) -> bool:
-    """True when ``model`` or any submodule is already an XLA FSDP unit (either engine)."""
-    try:
-        classes = fsdp_classes()
-    except ImportError:
-        return False
-    return any(isinstance(m, classes) for m in model.modules())
+def resolve_classes(model: nn.Module, names: Sequence[str]) -> set[type]:
+    """Resolve module class names against the classes that occur in ``model``."""
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in present]
+    if missing:
+        raise ConfigError(
+            f"transformer_layer_cls_to_wrap names {missing} not found in {type(model).__name__}; "
+            f"its module classes are: {', '.join(sorted(present))}"
+        )
+    return {present[n] for n in names}
 
 
-def is_v2(model: nn.Module) -> bool:
-    """True when ``model`` is (or holds) an FSDP v2 (SPMD) unit."""
-    from .spmd import spmd_class
-
-    return any(isinstance(m, spmd_class()) for m in model.modules())
-
-
-def _wrap_policy(model: nn.Module, plugin: XlaFsdpPlugin) -> Callable[..., bool]:
+def _wrap_policy(model: nn.Module, plugin: "XlaFsdpPlugin") -> Callable[..., bool]:
     from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     if plugin.min_num_params > 0:
@@ -62,7 +67,7 @@ def _wrap_policy(model: nn.Module, plugin: XlaFsdpPlugin) -> Callable[..., bool]
     return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=resolve_classes(model, names))
 
 
-def select_blocks(model: nn.Module, plugin: XlaFsdpPlugin) -> list[str]:
+def select_blocks(model: nn.Module, plugin: "XlaFsdpPlugin") -> list[str]:
     """Qualified names of the modules that become their own FSDP unit, innermost first.
 
     Follows torch_xla's ``_recursive_wrap`` decision procedure exactly, but only names the
@@ -91,66 +96,33 @@ def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
 
 
-def wrap_block(block: nn.Module, plugin: XlaFsdpPlugin, nested: bool) -> nn.Module:
+def wrap_block(block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
     """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``."""
-    if plugin.version == 2:
-        from . import spmd
-
-        return spmd.wrap_block(block, plugin, nested)
-    if plugin.activation_checkpointing:
-        from torch_xla.distributed.fsdp import checkpoint_module
-
-        block = checkpoint_module(block)
-    if nested:
-        block = fsdp_class()(block, **plugin.fsdp_kwargs())
-    return block
+    return engine_for(plugin).wrap_block(block, plugin, nested)
 
 
-def wrap_root(model: nn.Module, plugin: XlaFsdpPlugin) -> nn.Module:
+def wrap_root(model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
     """The outer FSDP unit: shards every parameter no inner unit owns."""
-    if plugin.version == 2:
-        from . import spmd
-
-        return spmd.wrap_root(model, plugin)
-    if getattr(model.config, "use_cache", False) and plugin.activation_checkpointing:
-        model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
-    return fsdp_class()(model, **plugin.fsdp_kwargs())
+    return engine_for(plugin).wrap_root(model, plugin)
 
 
 def check_not_wrapped(model: nn.Module) -> None:
     """Refuse a model that already holds XLA FSDP units: wrapping twice would shard shards."""
     if is_wrapped(model):
-        unit = next(type(m).__name__ for m in model.modules() if isinstance(m, fsdp_classes()))
+        unit = next(type(m).__name__ for m in model.modules() if isinstance(m, unit_classes()))
         raise ConfigError(
             f"{type(model).__name__} is already wrapped with {unit}; "
             "pass the unwrapped model to XlaFsdpPlugin.wrap (or use it as it is)"
         )
 
 
-def wrap_model(model: nn.Module, plugin: XlaFsdpPlugin) -> nn.Module:
+def wrap_model(model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
     """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``."""
     check_not_wrapped(model)
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
+    engine_for(plugin).setup_runtime(plugin)
     nested = plugin.sharding == "zero3"
     for name in select_blocks(model, plugin):
         replace_submodule(model, name, wrap_block(model.get_submodule(name), plugin, nested))
     return wrap_root(model, plugin)
-
-
-def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(name, unit)`` for every XLA FSDP unit in ``model``, either engine (the root has name ``""``)."""
-    classes = fsdp_classes()
-    for name, module in model.named_modules():
-        if isinstance(module, classes):
-            yield name, module
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside an FSDP unit (and its parameter-flattening wrapper), or ``model``."""
-    from torch_xla.distributed.fsdp.xla_flatten_params_wrapper import XlaFlattenParamsWrapper
-
-    classes = (*fsdp_classes(), XlaFlattenParamsWrapper)
-    while isinstance(model, classes):
-        model = model.module
-    return model

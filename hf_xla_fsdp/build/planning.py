@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .plugin import XlaFsdpPlugin
+if TYPE_CHECKING:
+    from ..plugin import XlaFsdpPlugin
 
 SHARD_SIZE_MULTIPLE = 128  # XlaFullyShardedDataParallel pads every shard to a multiple of this
 
@@ -29,7 +30,7 @@ def unit_params(model: nn.Module, blocks: list[str]) -> dict[str, list[Any]]:
     return params
 
 
-def plan(source: Any, plugin: XlaFsdpPlugin, world_size: int = 1) -> dict[str, Any]:
+def plan(source: Any, plugin: "XlaFsdpPlugin", world_size: int = 1) -> dict[str, Any]:
     """Describe how ``source`` would be sharded over ``world_size`` ranks (nothing is materialized)."""
     from .meta_init import build_skeleton, resolve_source
     from .wrapping import select_blocks

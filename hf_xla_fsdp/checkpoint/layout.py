@@ -1,13 +1,45 @@
-"""Write-then-rename helpers: a file or directory becomes visible only when it is complete."""
+"""On-disk layout of a checkpoint and the write-then-rename publish that makes it visible only when complete.
+
+One directory per checkpoint::
+
+    rank-00000-of-00004.safetensors   model shard ("model/<key>"), optimizer state ("optim/<i>/<name>"), RNG
+    rank-00000-of-00004.json          engine metadata, optimizer groups, scheduler, RNG, step, config, ...
+    checkpoint_complete.json          written last, when every rank has finished: lists every rank file
+
+Ranks write into a hidden staging directory beside the checkpoint; rank 0 writes the marker there
+and renames the directory into place.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any, Union
+
+from ..errors import CheckpointError
+
+FORMAT = "hf_xla_fsdp.rank/1"
+COMPLETE_MARKER = "checkpoint_complete.json"
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+RNG_CPU = "rng/torch_cpu"
 
 
+def rank_file_stem(rank: int, world_size: int) -> str:
+    """``rank-00003-of-00008``: the name of one rank's files without extension."""
+    return f"rank-{rank:05d}-of-{world_size:05d}"
+
+
+def staging_dir(ckpt_dir: Union[str, Path]) -> Path:
+    """Where ranks write before the checkpoint is complete (same name on every rank, no coordination)."""
+    ckpt_dir = Path(ckpt_dir)
+    return ckpt_dir.parent / f".{ckpt_dir.name}.partial"
+
+
+# --------------------------------------------------------------------------- atomic files and directories
 def fsync_dir(path: Path) -> None:
     """Persist the entries of directory ``path`` (the renames into it)."""
     fd = os.open(path, os.O_RDONLY)
@@ -87,3 +119,33 @@ def merge_into(stage: Path, output: Path) -> None:
                 stale.unlink()
     fsync_dir(output)
     shutil.rmtree(stage, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- the completion marker
+def safe_member(directory: Path, name: Any, source: Path) -> Path:
+    """``directory / name`` for a plain file name listed in ``source``; anything path-like is refused."""
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise CheckpointError(f"{source} names file {name!r}: only plain file names inside the checkpoint are allowed")
+    return directory / name
+
+
+def read_marker(directory: Path) -> dict[str, Any]:
+    """The completion marker of one of our checkpoint directories, validated."""
+    path = directory / COMPLETE_MARKER
+    if not path.is_file():
+        if any(directory.glob("rank-*.safetensors")):
+            raise CheckpointError(f"{directory} is incomplete (no {COMPLETE_MARKER}): its save did not finish")
+        raise CheckpointError(f"{directory} is not an hf_xla_fsdp checkpoint (no {COMPLETE_MARKER})")
+    try:
+        marker = json.loads(path.read_text())
+        files = marker["files"]
+        world = int(marker["world_size"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path} is corrupted: 'files' must map file names to their ids")
+    for name in files:
+        safe_member(directory, name, path)
+    if len(files) != world:
+        raise CheckpointError(f"{path} lists {len(files)} rank files for a world of {world}")
+    return marker

@@ -1,16 +1,15 @@
-"""Reading FSDP v1 rank checkpoint files lazily, in our format and in torch_xla's.
+"""Reading rank checkpoint files lazily: ours, torch_xla's ``.pth`` and transformers Trainer's ``.bin``.
+
+A rank file holds its tensors in one of two layouts, named in its metadata under ``"engine"``:
+
+* ``"xla_fsdp_v1"`` (flat shards): FSDP v1's per-rank state dict, each parameter flattened, padded
+  and cut into equal rank shards, described by ``shard_metadata``; also torch_xla's and the
+  Trainer's pickled files (a dict with ``"model"`` and ``"shard_metadata"``, loaded with
+  ``torch.load(weights_only=True, mmap=True)``);
+* ``"spmd"`` (pieces): FSDP v2's slices, every tensor stored as the pieces this process's devices
+  held, each with its start/stop offsets in the full tensor (``meta["tensors"]``).
 
 Nothing here imports torch_xla: consolidation runs on any machine with torch.
-
-Our format, one directory per checkpoint::
-
-    rank-00000-of-00004.safetensors   model shard ("model/<key>"), optimizer state ("optim/<i>/<name>"), RNG
-    rank-00000-of-00004.json          shard metadata, optimizer groups, scheduler, RNG, step, config, ...
-    checkpoint_complete.json          written last, when every rank has finished: lists every rank file
-
-torch_xla's formats (read with ``torch.load(weights_only=True, mmap=True)``): the MNIST example's
-``<prefix>_rank-00000000-of-00000004.pth`` and transformers Trainer's ``rank0-of-4-pytorch_model.bin``,
-each a dict with ``"model"`` and ``"shard_metadata"`` (and maybe ``"optimizer"``).
 """
 
 from __future__ import annotations
@@ -18,31 +17,32 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
-import re
-import struct
-import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .plugin import ConfigError
+from ..errors import CheckpointError
+from .layout import COMPLETE_MARKER, FORMAT, MODEL_PREFIX, OPTIM_PREFIX, rank_file_stem, read_marker, safe_member
+from .safetensors_io import SafetensorsReader, dtype_from_name
 
-FORMAT = "hf_xla_fsdp.rank/1"
-COMPLETE_MARKER = "checkpoint_complete.json"
-MODEL_PREFIX = "model/"
-OPTIM_PREFIX = "optim/"
-_OURS = re.compile(r"^rank-(\d+)-of-(\d+)\.safetensors$")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint is missing, incomplete, inconsistent or unreadable; the message says which file."""
+LAYOUT_FLAT = "xla_fsdp_v1"
+LAYOUT_PIECES = "spmd"
 
 
-def rank_file_stem(rank: int, world_size: int) -> str:
-    """``rank-00003-of-00008``: the name of one rank's files without extension."""
-    return f"rank-{rank:05d}-of-{world_size:05d}"
+_WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_fpw_module.")
+
+
+def clean_name(name: str) -> str:
+    """The user's parameter name inside FSDP v1 wrappers (``_fsdp_wrapped_module.``/``_fpw_module.`` removed)."""
+    for part in _WRAPPER_NAMES:
+        name = name.replace(part, "")
+    return name
+
+
+def saved_layout(meta: Optional[dict[str, Any]]) -> str:
+    """The tensor layout of a rank file from its metadata (files of older saves and torch_xla's are flat)."""
+    return (meta or {}).get("engine", LAYOUT_FLAT)
 
 
 # --------------------------------------------------------------------------- shard metadata <-> JSON
@@ -84,13 +84,21 @@ def decode_shard_metadata(obj: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _structure(md: dict[str, Any]) -> Any:
-    """What every rank of one save must agree on (everything but the rank)."""
+def shard_structure(md: dict[str, Any]) -> Any:
+    """What every rank of one flat-shard save must agree on (everything but the rank)."""
     return (
         {m: {n: (tuple(i["_orig_size"]), i["_orig_name"]) for n, i in p.items()} for m, p in md["shard_info"].items()},
         {n: (tuple(a), tuple(tuple(s) for s in b), tuple(c)) for n, (a, b, c) in md["flatten_info"].items()},
         md["world_size"],
     )
+
+
+def same_parameters(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same parameters and flattening in two shard metadata, whatever their world sizes."""
+    def names(md: dict[str, Any]) -> Any:
+        return ({m: {n: i["_orig_name"] for n, i in p.items()} for m, p in md["shard_info"].items()},
+                {n: tuple(v[0]) for n, v in md["flatten_info"].items()})
+    return names(a) == names(b)
 
 
 # --------------------------------------------------------------------------- one rank file
@@ -101,6 +109,11 @@ class RankFile:
     def __init__(self, path: Path, rank: int, world_size: int, shard_metadata: dict[str, Any], meta: dict[str, Any]):
         self.path, self.rank, self.world_size = path, rank, world_size
         self.shard_metadata, self.meta = shard_metadata, meta
+
+    @property
+    def layout(self) -> str:
+        """``"xla_fsdp_v1"`` (flat shards) or ``"spmd"`` (pieces)."""
+        return saved_layout(self.meta)
 
     def names(self) -> list[str]:
         """Every tensor name, in saved order."""
@@ -127,99 +140,6 @@ class RankFile:
         return [n[len(MODEL_PREFIX):] for n in self.names() if n.startswith(MODEL_PREFIX)]
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
-class SafetensorsReader:
-    """Reads tensors, or row ranges of them, from a safetensors file with ``pread``.
-
-    ``safe_open`` memory-maps the whole file, and every page it touches counts in the process's
-    RSS until the map closes; consolidation touches every byte of every rank file, so plain
-    reads of exactly the bytes needed keep memory at the tensors being assembled.
-    """
-
-    def __init__(self, path: Path):
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) != 8:
-                raise ValueError("file shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > size - 8:
-                raise ValueError(f"header size {n} exceeds the file")
-            header = json.loads(fh.read(n))
-        header.pop("__metadata__", None)
-        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        for name, info in header.items():
-            dtype = _ST_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-            if end - begin != math.prod(shape) * dtype.itemsize or end > size - 8 - n:
-                raise ValueError(f"entry {name} lies outside the file or has a wrong size")
-            self.entries[name] = (dtype, shape, 8 + n + begin, 8 + n + end)
-        self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
-
-    def read(self, name: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
-        """Tensor ``name``, or only its rows ``start:stop``."""
-        dtype, shape, begin, end = self.entries[name]
-        if start is not None:
-            rows = shape[0]
-            start, stop = max(0, min(start, rows)), max(0, min(stop, rows))
-            row_bytes = math.prod(shape[1:]) * dtype.itemsize
-            begin, end = begin + start * row_bytes, begin + max(stop, start) * row_bytes
-            shape = (max(stop - start, 0), *shape[1:])
-        buf = bytearray(end - begin)
-        if buf and os.preadv(self._fd, [buf], begin) != len(buf):
-            raise ValueError(f"short read of {name}")
-        if not buf:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
-
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            os.close(fd)
-
-
-_ST_DTYPE_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
-
-
-def write_safetensors_streaming(path: Path, specs: list[tuple[str, tuple[int, ...], torch.dtype]], produce: Any,
-                                metadata: dict[str, str], on_tensor: Any = None) -> None:
-    """Write a safetensors file one tensor at a time, then fsync it.
-
-    ``specs`` gives every (name, shape, dtype) up front, so the header goes first and each tensor
-    is produced by ``produce(name)``, written and dropped in turn: memory stays at one tensor
-    however large the file. The layout is the safetensors format (little-endian u64 header size,
-    JSON header padded to 8 bytes, raw little-endian data); ``safe_open`` reads it back in the tests.
-    """
-    if sys.byteorder != "little":
-        raise RuntimeError("streaming safetensors writing needs a little-endian host")
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, shape, dtype in specs:
-        nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _ST_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(head)))
-        fh.write(head)
-        for name, shape, dtype in specs:
-            tensor = produce(name)
-            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-                raise CheckpointError(f"{name}: produced {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(shape)} {dtype}")
-            fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            if on_tensor is not None:
-                on_tensor(name)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 class SafetensorsRankFile(RankFile):
     """Our format: ``rank-*.safetensors`` + ``rank-*.json``."""
 
@@ -231,8 +151,8 @@ class SafetensorsRankFile(RankFile):
             raise CheckpointError(f"{meta_path} is missing: the rank file {path.name} has no metadata") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{meta_path} is truncated or corrupted ({err})") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or (
-                "shard_metadata" not in meta and meta.get("engine") != "spmd"):
+        pieces = isinstance(meta, dict) and saved_layout(meta) == LAYOUT_PIECES
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or ("shard_metadata" not in meta and not pieces):
             raise CheckpointError(f"{meta_path} is not an hf_xla_fsdp rank file (format {FORMAT} expected)")
         expected_size = meta.get("tensor_file_bytes")
         if expected_size is not None and path.stat().st_size != expected_size:
@@ -241,8 +161,8 @@ class SafetensorsRankFile(RankFile):
             self._reader = SafetensorsReader(path)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
-        if meta.get("engine") == "spmd":  # FSDP v2: per-tensor pieces in meta["tensors"], no FSDP v1 layout
-            md = {"rank": int(meta["rank"]), "world_size": int(meta["world_size"]), "engine": "spmd"}
+        if pieces:  # per-tensor pieces in meta["tensors"], no flat-shard layout
+            md = {"rank": int(meta["rank"]), "world_size": int(meta["world_size"]), "engine": LAYOUT_PIECES}
         else:
             md = decode_shard_metadata(meta["shard_metadata"])
         super().__init__(path, md["rank"], md["world_size"], md, meta)
@@ -328,6 +248,37 @@ def open_rank_file(path: Path) -> RankFile:
     return TorchRankFile(path)
 
 
+def check_file_id(f: RankFile, marker: dict[str, Any]) -> RankFile:
+    """``f`` itself, once its id is the one the completion marker lists for it (not a stale file of another save)."""
+    want = (marker["files"].get(f.path.name) or {}).get("file_id")
+    if f.meta.get("file_id") != want:
+        raise CheckpointError(f"{f.path.name} does not belong to this checkpoint: it was written by a different save or run")
+    return f
+
+
+def open_listed(ckpt_dir: Path, marker: dict[str, Any], name: str) -> RankFile:
+    """The rank file ``name`` that ``marker`` lists, checked to belong to this save."""
+    if name not in marker["files"]:
+        raise CheckpointError(f"{ckpt_dir / COMPLETE_MARKER} does not list {name}")
+    return check_file_id(SafetensorsRankFile(safe_member(ckpt_dir, name, ckpt_dir / COMPLETE_MARKER)), marker)
+
+
+def open_own(ckpt_dir: Path, marker: dict[str, Any], rank: int, world: int) -> RankFile:
+    """Rank ``rank``'s file of a save of ``world`` ranks."""
+    return open_listed(ckpt_dir, marker, f"{rank_file_stem(rank, world)}.safetensors")
+
+
+def marker_layout(ckpt_dir: Path, marker: dict[str, Any]) -> str:
+    """The checkpoint's tensor layout from the marker, else from the first rank file's JSON (no tensor file opened)."""
+    if "engine" in marker:
+        return marker["engine"]
+    first = ckpt_dir / Path(sorted(marker["files"])[0]).with_suffix(".json").name
+    try:
+        return saved_layout(json.loads(first.read_text()))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return LAYOUT_FLAT  # the flat-shard reader reports the damage precisely
+
+
 # --------------------------------------------------------------------------- a whole checkpoint
 class RankSet:
     """The rank files of one save, checked for completeness and consistency, sorted by rank."""
@@ -353,20 +304,23 @@ class RankSet:
         self.world_size = world
         self.source = source
         self.marker = marker or {}
-        self.engine = self.files[0].meta.get("engine", "xla_fsdp_v1") if self.files[0].meta else "xla_fsdp_v1"
-        if any((f.meta or {}).get("engine", "xla_fsdp_v1") != self.engine for f in self.files):
+        self.layout = self.files[0].layout
+        if any(f.layout != self.layout for f in self.files):
             raise CheckpointError(f"the rank files of {source} come from different FSDP engines")
-        ref = _structure(self.files[0].shard_metadata) if self.engine != "spmd" else None
-        for f in self.files[1:] if ref is not None else []:
-            if _structure(f.shard_metadata) != ref:
-                raise CheckpointError(
-                    f"{f.path.name} and {self.files[0].path.name} come from different runs (their shard layouts differ)")
+        if self.layout == LAYOUT_FLAT:
+            ref = shard_structure(self.files[0].shard_metadata)
+            for f in self.files[1:]:
+                if shard_structure(f.shard_metadata) != ref:
+                    raise CheckpointError(
+                        f"{f.path.name} and {self.files[0].path.name} come from different runs (their shard layouts differ)")
         if marker:
             for f in self.files:
-                want = marker["files"].get(f.path.name, {}).get("file_id")
-                if f.meta.get("file_id") != want:
-                    raise CheckpointError(
-                        f"{f.path.name} does not belong to this checkpoint: it was written by a different save or run")
+                check_file_id(f, marker)
+
+    @property
+    def engine(self) -> str:
+        """The saved layout name (kept for callers of earlier releases)."""
+        return self.layout
 
     @property
     def shard_metadata(self) -> dict[str, Any]:
@@ -379,35 +333,7 @@ class RankSet:
         return self.files[0].meta
 
 
-def _safe_member(directory: Path, name: Any, source: Path) -> Path:
-    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-        raise CheckpointError(f"{source} names file {name!r}: only plain file names inside the checkpoint are allowed")
-    return directory / name
-
-
-def read_marker(directory: Path) -> dict[str, Any]:
-    """The completion marker of one of our checkpoint directories, validated."""
-    path = directory / COMPLETE_MARKER
-    if not path.is_file():
-        if any(directory.glob("rank-*.safetensors")):
-            raise CheckpointError(f"{directory} is incomplete (no {COMPLETE_MARKER}): its save did not finish")
-        raise CheckpointError(f"{directory} is not an hf_xla_fsdp checkpoint (no {COMPLETE_MARKER})")
-    try:
-        marker = json.loads(path.read_text())
-        files = marker["files"]
-        world = int(marker["world_size"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{path} is corrupted: 'files' must map file names to their ids")
-    for name in files:
-        _safe_member(directory, name, path)
-    if len(files) != world:
-        raise CheckpointError(f"{path} lists {len(files)} rank files for a world of {world}")
-    return marker
-
-
-def open_checkpoint(ckpt: str | Path, suffix: Optional[str] = None) -> RankSet:
+def open_checkpoint(ckpt: Union[str, Path], suffix: Optional[str] = None) -> RankSet:
     """Open every rank file of a checkpoint.
 
     ``ckpt`` is one of our checkpoint directories, a directory of Trainer ``rank*-of-*-pytorch_model.bin``
@@ -417,7 +343,7 @@ def open_checkpoint(ckpt: str | Path, suffix: Optional[str] = None) -> RankSet:
     if path.is_dir() and suffix is None:
         if (path / COMPLETE_MARKER).is_file() or any(path.glob("rank-*.safetensors")):
             marker = read_marker(path)
-            files = [open_rank_file(_safe_member(path, name, path / COMPLETE_MARKER)) for name in sorted(marker["files"])]
+            files = [open_rank_file(safe_member(path, name, path / COMPLETE_MARKER)) for name in sorted(marker["files"])]
             return RankSet(files, str(path), marker)
         trainer = sorted(path.glob("rank*-of-*-pytorch_model.bin"))
         if trainer:
@@ -430,3 +356,36 @@ def open_checkpoint(ckpt: str | Path, suffix: Optional[str] = None) -> RankSet:
     if not paths:
         raise CheckpointError(f"no rank files match {pattern}")
     return RankSet([open_rank_file(p) for p in paths], pattern)
+
+
+# --------------------------------------------------------------------------- pieces (FSDP v2 layout)
+def merge_pieces(files: list[RankFile], section: str = "tensors") -> dict[str, dict[str, Any]]:
+    """Every tensor of a pieces-layout checkpoint with the pieces of all files (each piece knows its file)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for f in files:
+        saved = f.meta.get(section) or {}
+        for name, entry in saved.items():
+            target = merged.setdefault(name, {"shape": entry["shape"], "dtype": entry["dtype"], "pieces": []})
+            if target["shape"] != entry["shape"]:
+                raise CheckpointError(f"{f.path.name} and another rank file disagree on the shape of {name}")
+            target["pieces"].extend({**piece, "file": f} for piece in entry["pieces"])
+    return merged
+
+
+def assemble(entry: dict[str, Any], read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """The full tensor described by a saved ``entry`` (shape, dtype, pieces), each piece read with ``read(key)``."""
+    full = torch.empty(entry["shape"], dtype=dtype_from_name(entry["dtype"]))
+    covered = 0
+    for piece in entry["pieces"]:
+        region = tuple(slice(a, b) for a, b in zip(piece["start"], piece["stop"]))
+        full[region] = read(piece["key"])
+        covered += math.prod(b - a for a, b in zip(piece["start"], piece["stop"]))
+    if covered != full.numel():
+        raise CheckpointError(f"the saved pieces of a {list(full.shape)} tensor cover {covered} of {full.numel()} elements")
+    return full
+
+
+def read_pieces(entry: dict[str, Any]) -> torch.Tensor:
+    """The full tensor of a merged pieces entry, assembled on the host from its pieces."""
+    by_key = {p["key"]: p["file"] for p in entry["pieces"]}
+    return assemble(entry, lambda key: by_key[key].get(key))

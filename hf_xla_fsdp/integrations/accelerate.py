@@ -19,14 +19,15 @@ step, never ``xm.optimizer_step``), ``clip_grad_norm_``'s norm spans every rank'
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from accelerate import Accelerator
 
-from .plugin import ConfigError, XlaFsdpPlugin
+from ..engines import engine_for
+from ..errors import ConfigError
+from ..plugin import XlaFsdpPlugin, read_accelerate_yaml
 
 ENV_CONFIG = "HF_XLA_FSDP_ACCELERATE_CONFIG"
 
@@ -73,8 +74,6 @@ def find_accelerate_config() -> Optional[Path]:
 
 def plugin_from_accelerate_launch() -> XlaFsdpPlugin:
     """The plugin described by the ``fsdp_config:`` of the accelerate YAML this process was launched with."""
-    from .plugin import read_accelerate_yaml
-
     path = find_accelerate_config()
     if path is None:
         raise ConfigError(
@@ -82,12 +81,7 @@ def plugin_from_accelerate_launch() -> XlaFsdpPlugin:
             f"{ENV_CONFIG}, or pass fsdp_plugin=XlaFsdpPlugin(...)")
     plugin = XlaFsdpPlugin.from_accelerate_config(path)
     distributed = str(read_accelerate_yaml(path).get("distributed_type", "XLA")).upper()
-    if plugin.version == 2 and distributed != "NO":
-        # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
-        raise ConfigError(f"distributed_type={distributed!r} in {path}: FSDP v2 (SPMD) drives every device from one "
-                          "process; set distributed_type: NO and num_processes: 1 (see examples/xla_fsdp_v2.yaml)")
-    if plugin.version == 1 and distributed not in ("XLA", "TPU"):
-        raise ConfigError(f"distributed_type={distributed!r} in {path}: XLA FSDP needs distributed_type: XLA")
+    engine_for(plugin).check_launch(distributed, str(path))
     return plugin
 
 
@@ -97,10 +91,8 @@ class XlaFsdpAccelerator(Accelerator):
     def __init__(self, *args: Any, fsdp_plugin: Optional[XlaFsdpPlugin] = None, **kwargs: Any) -> None:
         # settings first: a bad fsdp_config must fail before anything else starts
         plugin = fsdp_plugin or plugin_from_accelerate_launch()
-        if plugin.version == 2:
-            from .spmd import enable_spmd
-
-            enable_spmd()  # before accelerate's state looks at the devices: one process, every device
+        # before accelerate's state looks at the devices (FSDP v2: one process drives every device)
+        engine_for(plugin).setup_runtime(plugin)
         super().__init__(*args, **kwargs)
         self.xla_fsdp_plugin = plugin
 
@@ -112,7 +104,7 @@ class XlaFsdpAccelerator(Accelerator):
     def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
         """Wrap ``model`` with XLA FSDP unless it already is (e.g. from :meth:`build_model`)."""
-        from .wrapping import is_wrapped
+        from ..engines import is_wrapped
 
         if not is_wrapped(model):
             model = self.xla_fsdp_plugin.wrap(model)
@@ -136,14 +128,10 @@ class XlaFsdpAccelerator(Accelerator):
 
     def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
-        """accelerate's loader; with FSDP v2 every batch is split over all devices on its way in."""
+        """accelerate's loader, adjusted by the engine (FSDP v2: every batch split over all devices on its way in)."""
         loader = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                              slice_fn_for_dispatch=slice_fn_for_dispatch)
-        if self.xla_fsdp_plugin.version == 2:
-            from .spmd import get_mesh, shard_loader_inputs
-
-            shard_loader_inputs(loader, get_mesh(self.xla_fsdp_plugin))
-        return loader
+        return engine_for(self.xla_fsdp_plugin).prepare_loader(loader, self.xla_fsdp_plugin)
 
     # ----------------------------------------------------------------- gradients
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -155,7 +143,7 @@ class XlaFsdpAccelerator(Accelerator):
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
         """Clip over the whole model: the norm spans the shards of every rank (see :func:`hf_xla_fsdp.train.clip_grad_norm`)."""
-        from .train import clip_grad_norm
+        from ..train import clip_grad_norm
 
         params = [id(p) for p in parameters]
         for model in self._models:
@@ -174,7 +162,7 @@ class XlaFsdpAccelerator(Accelerator):
     def save_state(self, output_dir: Union[str, os.PathLike, None] = None, *, step: Optional[int] = None,
                    extra: Optional[dict[str, Any]] = None, **_: Any) -> str:
         """Sharded rank checkpoint of model, optimizer, scheduler, RNG and ``extra`` (every rank calls it)."""
-        from .checkpoint import save_checkpoint
+        from ..checkpoint import save_checkpoint
 
         if output_dir is None:
             raise ConfigError("save_state needs an output_dir for the sharded checkpoint")
@@ -185,7 +173,7 @@ class XlaFsdpAccelerator(Accelerator):
 
     def load_state(self, input_dir: Union[str, os.PathLike, None] = None, **_: Any) -> dict[str, Any]:
         """Restore what :meth:`save_state` saved (any world size); returns ``step``, ``extra``, ..."""
-        from .checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint
 
         if input_dir is None:
             raise ConfigError("load_state needs the checkpoint directory to resume from")
@@ -196,7 +184,7 @@ class XlaFsdpAccelerator(Accelerator):
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
         """The transformers model inside the FSDP units (its parameters stay sharded: save with save_model)."""
-        from .wrapping import unwrap
+        from ..engines import unwrap
 
         return unwrap(model)
 
@@ -206,23 +194,18 @@ class XlaFsdpAccelerator(Accelerator):
                    step: Optional[int] = None) -> None:
         """A ``from_pretrained``-ready directory: sharded save, then streaming consolidation on the main process.
 
-        ``extra`` (e.g. ``{"eval_loss": ..., "losses": {...}}``) is kept in the directory's training
-        record, which ``hf-xla-fsdp export`` turns into the model card's numbers. ``dtype`` and
-        ``max_shard_size`` default to the plugin's ``consolidate_dtype`` / ``consolidate_max_shard_size``.
+        The same path as ``XlaFsdpTrainer.save_model`` (:func:`hf_xla_fsdp.checkpoint.consolidate.save_consolidated`):
+        the weights of an earlier save in ``save_directory`` are replaced as a whole, other files stay
+        (``overwrite`` is accepted for compatibility and changes nothing). ``extra`` (e.g.
+        ``{"eval_loss": ..., "losses": {...}}``) is kept in the directory's training record, which
+        ``hf-xla-fsdp export`` turns into the model card's numbers. ``dtype`` and ``max_shard_size``
+        default to the plugin's ``consolidate_dtype`` / ``consolidate_max_shard_size``.
         """
-        from .checkpoint import save_checkpoint
-        from .consolidate import consolidate
+        from ..checkpoint.consolidate import save_consolidated
 
         if not safe_serialization:
             raise ConfigError("hf_xla_fsdp writes safetensors only; call save_model with safe_serialization=True")
-        save_directory = Path(save_directory)
-        shards = save_directory.parent / f".{save_directory.name}.sharded"
-        save_checkpoint(shards, model, step=self.step if step is None else step, plugin=self.xla_fsdp_plugin, extra=extra,
-                        barrier=lambda tag: self.wait_for_everyone())
-        if self.is_main_process:
-            plugin = self.xla_fsdp_plugin
-            consolidate(shards, save_directory, dtype=dtype or plugin.consolidate_dtype,
-                        max_shard_size=max_shard_size or plugin.consolidate_max_shard_size, overwrite=overwrite,
-                        progress=self.is_main_process)
-            shutil.rmtree(shards, ignore_errors=True)
-        self.wait_for_everyone()
+        save_consolidated(model, save_directory, self.xla_fsdp_plugin, is_main=self.is_main_process,
+                          step=self.step if step is None else step, extra=extra,
+                          barrier=lambda tag: self.wait_for_everyone(), dtype=dtype, max_shard_size=max_shard_size,
+                          progress=self.is_main_process)

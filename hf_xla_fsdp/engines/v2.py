@@ -1,0 +1,323 @@
+"""FSDP v2: ``SpmdFullyShardedDataParallel`` over a device mesh, in one process (SPMD).
+
+Under SPMD one Python process drives every local device; a parameter is one logical tensor whose
+largest dimension is split over the mesh's ``fsdp`` axis (and replicated over the optional
+``replica`` axis for hybrid sharding). This engine makes the mesh, wraps blocks and the root,
+shards batches, and saves / restores rank files in the pieces layout: one file per process with,
+for every tensor, the slice each local device holds and where it sits in the full tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from ..checkpoint.layout import MODEL_PREFIX
+from ..checkpoint.readers import LAYOUT_PIECES, RankFile, merge_pieces, open_listed, read_pieces
+from ..checkpoint.safetensors_io import dtype_name
+from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
+from ..errors import CheckpointError, ConfigError
+from ..runtime import device_count, process_count, process_index, wait_device_ops
+from .base import Engine, RankState, Restored
+
+if TYPE_CHECKING:
+    from ..plugin import XlaFsdpPlugin
+
+FSDP_AXIS = "fsdp"
+REPLICA_AXIS = "replica"
+BATCH_AXES = (REPLICA_AXIS, FSDP_AXIS)  # the batch is split over every device
+WRAPPER_PREFIX = "_orig_module."
+
+
+def enable_spmd() -> None:
+    """Switch this process to SPMD (idempotent); it must happen before any XLA tensor exists."""
+    import torch_xla.runtime as xr
+
+    if xr.is_spmd():
+        return
+    try:
+        xr.use_spmd()
+    except Exception as err:  # torch_xla refuses once replicated tensors exist
+        raise ConfigError(f"FSDP v2 needs SPMD mode before any XLA tensor is created ({err}); build the "
+                          "plugin / trainer / accelerator before touching the XLA device") from None
+
+
+def spmd_class() -> type:
+    """``SpmdFullyShardedDataParallel`` (imported lazily)."""
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+    return SpmdFullyShardedDataParallel
+
+
+def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
+    """The ``(replica, fsdp)`` mesh over every device, made once per process and set as the global mesh."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+
+    enable_spmd()
+    devices = device_count()
+    replicas = plugin.replica_size
+    if devices % replicas:
+        raise ConfigError(f"replica_size={replicas} does not divide the {devices} devices")
+    shape = (replicas, devices // replicas)
+    mesh = xs.get_global_mesh()
+    if mesh is None or tuple(mesh.mesh_shape) != shape or tuple(mesh.axis_names) != (REPLICA_AXIS, FSDP_AXIS):
+        mesh = xs.Mesh(np.arange(devices), shape, (REPLICA_AXIS, FSDP_AXIS))
+        xs.set_global_mesh(mesh)
+    return mesh
+
+
+def input_sharding(mesh: Any) -> Any:
+    """``ShardingSpec`` that splits dim 0 of every batch tensor over all devices (for ``MpDeviceLoader``)."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.ShardingSpec(mesh, (BATCH_AXES, None))
+
+
+def shard_loader_inputs(loader: Any, mesh: Any) -> Any:
+    """Make an XLA device loader (``MpDeviceLoader``, accelerate's wrapper) split every batch over all devices."""
+    if not hasattr(loader, "_parallel_loader_kwargs"):
+        raise ConfigError(f"FSDP v2 needs an XLA device loader to split batches over the devices, got {type(loader).__name__}")
+    loader._parallel_loader_kwargs["input_sharding"] = input_sharding(mesh)
+    return loader
+
+
+def shard_batch(batch: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
+    """Mark dim 0 of every XLA tensor of ``batch`` as split over all devices."""
+    import torch_xla.distributed.spmd as xs
+
+    for tensor in batch.values():
+        if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+            xs.mark_sharding(tensor, mesh, (BATCH_AXES,) + (None,) * (tensor.dim() - 1))
+    return batch
+
+
+def shard_output(output: Any, mesh: Any) -> None:
+    """Split the batch dimension of a block's or model's main output (logits, hidden states) over all devices."""
+    import torch_xla.distributed.spmd as xs
+
+    real = getattr(output, "logits", None)
+    if real is None:
+        real = getattr(output, "last_hidden_state", None)
+    if real is None and isinstance(output, (tuple, list)):
+        real = next((t for t in output if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if real is None and isinstance(output, torch.Tensor):
+        real = output
+    if isinstance(real, torch.Tensor) and real.dim() > 0:
+        xs.mark_sharding(real, mesh, (BATCH_AXES,) + (None,) * (real.dim() - 1))
+
+
+def clean_name(name: str) -> str:
+    """The user's name of a parameter inside FSDP v2 wrappers."""
+    return name.replace(WRAPPER_PREFIX, "")
+
+
+def sharding_spec(tensor: torch.Tensor) -> str:
+    """XLA's sharding annotation of ``tensor`` (``""`` when it has none)."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+def device_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of parameters each device holds (shards counted where they live, padding excluded)."""
+    import torch_xla
+
+    out: dict[str, int] = {}
+    for p in model.parameters():
+        devices = [device for _, device in torch_xla._XLAC._get_local_shards([p])[0]]
+        for device, (_, index) in zip(devices, torch_xla._XLAC._get_local_shard_replica_and_indices([p])[0]):
+            shape = p.shape if index is Ellipsis else [s.stop - s.start for s in index]
+            out[device] = out.get(device, 0) + math.prod(shape) * p.element_size()
+    return dict(sorted(out.items()))
+
+
+def _replica0_placements(tensor: torch.Tensor) -> list[tuple[int, list[int], list[int]]]:
+    """``(shard position, start, stop)`` of each distinct slice held on this process's devices (replica 0 only).
+
+    Reads only placement metadata: nothing is transferred.
+    """
+    import torch_xla
+
+    out: list[tuple[int, list[int], list[int]]] = []
+    for position, (replica, index) in enumerate(torch_xla._XLAC._get_local_shard_replica_and_indices([tensor])[0]):
+        if index is Ellipsis:
+            start, stop = [0] * tensor.dim(), list(tensor.shape)
+        else:
+            start, stop = [s.start for s in index], [s.stop for s in index]
+        if replica == 0 and all((start, stop) != (a, b) for _, a, b in out):
+            out.append((position, start, stop))
+    return out
+
+
+def local_pieces(tensor: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """``(start, stop)`` per dimension of each distinct slice this process's devices hold (replica 0 only)."""
+    if tensor.device.type != "xla":
+        return [([0] * tensor.dim(), list(tensor.shape))]
+    return [(start, stop) for _, start, stop in _replica0_placements(tensor)]
+
+
+def fetch_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The host copies of :func:`local_pieces`, in the same order (one tensor's shards at a time)."""
+    import torch_xla
+
+    if tensor.device.type != "xla":
+        return [tensor.detach()]
+    shards = torch_xla._XLAC._get_local_shards([tensor])[0]
+    # shards of uneven splits are padded: keep only the slice's own rows/columns
+    return [shards[position][0][tuple(slice(0, b - a) for a, b in zip(start, stop))].contiguous()
+            for position, start, stop in _replica0_placements(tensor)]
+
+
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Saved name -> tensor of the model's state; a tied weight appears once, under its first name (as v1 does)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[MODEL_PREFIX + clean_name(name)] = t
+    return out
+
+
+class XlaFsdpV2(Engine):
+    """``SpmdFullyShardedDataParallel`` over a ``(replica, fsdp)`` mesh of every device, one process."""
+
+    version = 2
+    name = "xla_fsdp_v2"
+    title = "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"
+    checkpoint_layout = LAYOUT_PIECES
+    spmd = True
+
+    def check_settings(self, plugin: "XlaFsdpPlugin") -> None:
+        if plugin.compute_dtype is not None or plugin.buffer_dtype is not None:
+            raise ConfigError("compute_dtype/buffer_dtype are not available with version=2: SpmdFullyShardedDataParallel "
+                              "has no mixed precision and XLA autocast fails in SDPA attention on torch_xla 2.9; "
+                              "remove them (parameters and compute stay fp32) or use version=1")
+
+    def check_launch(self, distributed_type: str, source: str) -> None:
+        if distributed_type != "NO":
+            # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
+            raise ConfigError(f"distributed_type={distributed_type!r} in {source}: FSDP v2 (SPMD) drives every device "
+                              "from one process; set distributed_type: NO and num_processes: 1 "
+                              "(see examples/xla_fsdp_v2.yaml)")
+
+    def setup_runtime(self, plugin: "XlaFsdpPlugin") -> None:
+        enable_spmd()
+
+    def runtime_ready(self, counted_processes: int) -> bool:
+        from ..runtime import is_spmd
+
+        return is_spmd() or counted_processes <= 1
+
+    def unit_class(self) -> type:
+        return spmd_class()
+
+    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
+        block = self.checkpoint_block(block, plugin)
+        return spmd_class()(block, mesh=get_mesh(plugin), shard_output=shard_output) if nested else block
+
+    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        from ..runtime import xla_device
+
+        if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
+            model.config.use_cache = False
+        # FSDPv2 moves the module with .to(), which makes new Parameters and unties lm_head from the
+        # embeddings; move and re-tie first, so the tie survives (and is sharded once)
+        model.to(xla_device())
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+        return spmd_class()(model, mesh=get_mesh(plugin), shard_output=shard_output)
+
+    def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
+        return shard_loader_inputs(loader, get_mesh(plugin))
+
+    def rank_world(self, model: nn.Module) -> tuple[int, int]:
+        return process_index(), process_count()  # one file per process, each holding its devices' slices
+
+    def checkpoint_name(self, name: str) -> str:
+        return clean_name(name)
+
+    def original_names(self, model: nn.Module) -> dict[str, str]:
+        return {name: clean_name(name) for name, _ in model.named_parameters()}
+
+    # ----------------------------------------------------------------- checkpoints
+    def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
+        """For every tensor, the slices this process's devices hold (replica 0), with their offsets."""
+        wait_device_ops()  # shard placements can only be read once no computation is in flight
+        named = {name: t.detach() for name, t in _unique_state(model).items()}
+        optim = None
+        if optimizer is not None:
+            optim, optim_tensors = optimizer_meta(model, optimizer, self.checkpoint_name)
+            named.update(optim_tensors)
+        entries: dict[str, dict[str, Any]] = {}
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        owner: dict[str, tuple[str, int]] = {}
+        for name, t in named.items():
+            pieces = []
+            for k, (start, stop) in enumerate(local_pieces(t)):
+                key = f"{name}#{k}"
+                pieces.append({"key": key, "start": start, "stop": stop})
+                specs.append((key, tuple(b - a for a, b in zip(start, stop)), t.dtype))
+                owner[key] = (name, k)
+            entries[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "pieces": pieces}
+        cache: dict[str, list[torch.Tensor]] = {}
+
+        def produce(key: str) -> torch.Tensor:
+            name, k = owner[key]
+            if name not in cache:  # one tensor's slices on the host at a time
+                cache.clear()
+                cache[name] = fetch_pieces(named[name])
+            return cache[name][k]
+
+        return RankState(specs, produce, {"engine": self.checkpoint_layout, "devices": device_count(),
+                                          "tensors": entries, "optimizer": optim})
+
+    def restore(self, ckpt_dir: Path, marker: dict[str, Any], model: nn.Module,
+                optimizer: Optional[torch.optim.Optimizer]) -> Restored:
+        """Each tensor is assembled on the host, one at a time, and copied into its sharded parameter.
+
+        Works for any saved device count: the pieces carry their offsets in the full tensor.
+        """
+        files = [open_listed(ckpt_dir, marker, name) for name in sorted(marker["files"])]
+        entries = merge_pieces(files)
+        wanted = _unique_state(model)
+        missing = [n for n in wanted if n not in entries]
+        saved_model = {n for n in entries if n.startswith(MODEL_PREFIX)}
+        if missing or len(wanted) != len(saved_model):
+            extra = sorted(saved_model - set(wanted))
+            raise CheckpointError(f"{ckpt_dir} was saved from a different model: missing {missing[:3]}, unexpected {extra[:3]}")
+        with torch.no_grad():
+            for name, t in wanted.items():
+                full = read_pieces(entries[name])
+                if tuple(full.shape) != tuple(t.shape):
+                    raise CheckpointError(f"{name} is {list(full.shape)} in {ckpt_dir} but {list(t.shape)} in the model")
+                t.copy_(full)  # keeps the tensor's sharding: each device receives its slice
+        meta = files[0].meta
+        if optimizer is not None:
+            self._restore_optimizer(optimizer, model, meta, entries)
+        rank, _ = self.rank_world(model)
+        own: RankFile = files[rank % len(files)]
+        return Restored(meta, own, {"saved_world_size": len(files), "saved_devices": meta.get("devices")})
+
+    def _restore_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, meta: dict[str, Any],
+                           entries: dict[str, dict[str, Any]]) -> None:
+        import torch_xla
+
+        saved = saved_optimizer(meta, model, optimizer, self.checkpoint_name)
+        state: dict[int, dict[str, Any]] = {}
+        for name, entry in entries.items():
+            key = optimizer_tensor_key(name)
+            if key is not None:
+                state.setdefault(key[0], {})[key[1]] = read_pieces(entry)
+        load_optimizer_state(optimizer, saved, state)
+        for param, values in optimizer.state.items():  # each state tensor gets its parameter's sharding
+            if not sharding_spec(param):
+                continue
+            for value in values.values():
+                if isinstance(value, torch.Tensor) and value.device.type == "xla" and value.shape == param.shape:
+                    torch_xla._XLAC._xla_mark_sharding(value, torch_xla._XLAC._get_xla_op_sharding(param))

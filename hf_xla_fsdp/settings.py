@@ -1,0 +1,66 @@
+"""Parsers for setting values written as text (JSON, YAML, command lines): dtypes, booleans, integers, sizes.
+
+Each turns a bad value into one ``ConfigError`` line naming the setting and what it accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(value: Union[str, torch.dtype, None], field_name: str) -> Optional[torch.dtype]:
+    """Turn a dtype string such as ``"bf16"`` or ``"bfloat16"`` into a ``torch.dtype``."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in DTYPES:
+            return DTYPES[key]
+    raise ConfigError(f"{field_name}={value!r} is not a valid dtype; use one of: {', '.join(sorted(set(DTYPES)))}")
+
+
+def parse_bool(value: Any, field_name: str) -> bool:
+    """``true``/``false`` in any of the spellings JSON, YAML and command lines use."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"{field_name}={value!r} must be a boolean (true or false)")
+
+
+def parse_int(value: Any, field_name: str, minimum: int = 0) -> int:
+    """An integer ``>= minimum`` (a float only when whole; never a boolean)."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        out = int(value)
+        if isinstance(value, float) and out != value:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field_name}={value!r} must be an integer >= {minimum}") from None
+    if out < minimum:
+        raise ConfigError(f"{field_name}={value!r} must be an integer >= {minimum}")
+    return out
+
+
+def check_size(value: Any, field_name: str) -> None:
+    """Refuse anything that is not a positive byte count or a size string such as ``"5GB"``."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        if isinstance(value, bool) or (value if isinstance(value, int) else parse_size_to_int(value)) <= 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{field_name}={value!r} is not a size; use bytes or a string such as '5GB' or '500MB'") from None

@@ -1,0 +1,352 @@
+"""Package-level guards: an acyclic import graph, an XLA-free checkpoint package, a wheel that works installed.
+
+Written against the package's layout on disk (any depth of subpackages), not against module names,
+so they keep working while modules move between subpackages.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "hf_xla_fsdp"
+PACKAGE_DIR = ROOT / PACKAGE
+MAX_CYCLES = 200  # enumeration is exponential in the worst case; enough to act on, bounded output
+
+
+# ---------------------------------------------------------------- static import collection
+
+
+@dataclass(frozen=True)
+class ImportSite:
+    """One module named by an import statement (or a constant ``importlib.import_module`` call)."""
+
+    module: str  # absolute dotted name; relative imports already resolved
+    names: tuple[str, ...]  # the names of ``from module import ...``; empty for ``import module``
+    line: int
+    in_getattr_hook: bool  # inside a module-level ``def __getattr__`` (PEP 562 lazy re-export)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def module_name(path: Path, package_dir: Path = PACKAGE_DIR) -> str:
+    """Dotted name of one file of the package; a package is named by its ``__init__.py``."""
+    parts = path.relative_to(package_dir.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def discover_modules(package_dir: Path = PACKAGE_DIR) -> dict[str, Path]:
+    """Dotted name -> file for every .py of the package, subpackages at any depth included."""
+    return {module_name(path, package_dir): path for path in sorted(package_dir.rglob("*.py"))}
+
+
+def _resolve_relative(package: str, level: int, module: Optional[str]) -> Optional[str]:
+    """Absolute name of ``from {'.' * level}{module} import ...`` inside ``package``; None past the top."""
+    if level == 0:
+        return module
+    parts = package.split(".")
+    if level > len(parts):
+        return None
+    base = ".".join(parts[: len(parts) - level + 1])
+    return f"{base}.{module}" if module else base
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _is_import_module_call(node: ast.Call) -> bool:
+    func = node.func
+    return (isinstance(func, ast.Name) and func.id == "import_module") or (
+        isinstance(func, ast.Attribute) and func.attr == "import_module")
+
+
+class _ImportCollector(ast.NodeVisitor):
+    """Every import of a module, wherever it sits (lazy ones inside functions count), except
+    under ``if TYPE_CHECKING:``, which never runs."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+        self.scope_depth = 0  # >0 inside a def or class: a ``__getattr__`` there is not the module's hook
+        self.in_hook = False
+        self.sites: list[ImportSite] = []
+
+    def _add(self, module: Optional[str], names: tuple[str, ...], line: int) -> None:
+        if module:
+            self.sites.append(ImportSite(module, names, line, self.in_hook))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, (), node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        module = _resolve_relative(self.package, node.level, node.module)
+        self._add(module, tuple(alias.name for alias in node.names), node.lineno)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        # a constant importlib.import_module(...) is as real an import as the statement
+        if _is_import_module_call(node) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            name = node.args[0].value
+            level = len(name) - len(name.lstrip("."))
+            self._add(_resolve_relative(self.package, level, name[level:] or None), (), node.lineno)
+        self.generic_visit(node)
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            for child in node.orelse:  # the else branch does run
+                self.visit(child)
+            return
+        self.generic_visit(node)
+
+    def _visit_scope(self, node: ast.AST) -> None:
+        hook = self.scope_depth == 0 and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+            and node.name == "__getattr__"
+        outer_hook, self.in_hook = self.in_hook, self.in_hook or hook
+        self.scope_depth += 1
+        self.generic_visit(node)
+        self.scope_depth -= 1
+        self.in_hook = outer_hook
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _visit_scope
+
+
+def collect_imports(path: Path, module: str) -> list[ImportSite]:
+    """Every import in one file of the package named ``module``."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    collector = _ImportCollector(package)
+    collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
+    return collector.sites
+
+
+# ---------------------------------------------------------------- import graph and cycles
+
+
+Graph = dict[str, dict[str, list[str]]]  # source -> target -> import sites "path:line"
+
+
+def import_graph(modules: dict[str, Path]) -> Graph:
+    """Edges between the package's own modules; ``from X import n`` goes to ``X.n`` when that is a module."""
+    graph: Graph = {name: {} for name in modules}
+    for source, path in modules.items():
+        for site in collect_imports(path, source):
+            if site.in_getattr_hook:
+                continue  # a lazy re-export hook runs after the package finished importing
+            targets = [f"{site.module}.{n}" if f"{site.module}.{n}" in modules else site.module
+                       for n in site.names] or [site.module]
+            for target in targets:
+                if target in modules and target != source:
+                    where = f"{_shown(path)}:{site.line}"
+                    sites = graph[source].setdefault(target, [])
+                    if where not in sites:  # one line may import several names of the same module
+                        sites.append(where)
+    return graph
+
+
+def strongly_connected(graph: Graph) -> list[list[str]]:
+    """Tarjan's strongly connected components, each sorted, in a stable order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(components)
+
+
+def simple_cycles(graph: Graph, limit: int = MAX_CYCLES) -> list[list[str]]:
+    """Every elementary cycle (up to ``limit``), each starting and ending at its smallest module.
+
+    Only nodes of one strongly connected component can share a cycle, so the search stays inside
+    each component; a cycle is found once, from its smallest node.
+    """
+    cycles: list[list[str]] = []
+
+    def extend(path: list[str], members: set[str]) -> None:
+        start = path[0]
+        for nxt in sorted(graph[path[-1]]):
+            if len(cycles) >= limit:
+                return
+            if nxt == start:
+                cycles.append(path + [start])
+            elif nxt in members and nxt > start and nxt not in path:
+                extend(path + [nxt], members)
+
+    for component in strongly_connected(graph):
+        for start in component:
+            extend([start], set(component))
+    return sorted(cycles, key=lambda c: (len(c), c))
+
+
+def format_cycles(graph: Graph, cycles: list[list[str]], limit: int = MAX_CYCLES) -> str:
+    """One ``a -> b -> a`` line per cycle, then where each import on a cycle is written."""
+    lines = [f"{len(cycles)}{'+' if len(cycles) >= limit else ''} import cycle(s) in {PACKAGE}:"]
+    lines += ["  " + " -> ".join(cycle) for cycle in cycles]
+    edges = sorted({(a, b) for cycle in cycles for a, b in zip(cycle, cycle[1:])})
+    lines.append("imports on those cycles:")
+    lines += [f"  {a} -> {b}: {', '.join(graph[a][b])}" for a, b in edges]
+    return "\n".join(lines)
+
+
+def test_import_graph_has_no_cycle() -> None:
+    modules = discover_modules()
+    assert PACKAGE in modules, f"no {PACKAGE_DIR / '__init__.py'}"
+    graph = import_graph(modules)
+    cycles = simple_cycles(graph)
+    if cycles:
+        pytest.fail(format_cycles(graph, cycles), pytrace=False)
+
+
+# ---------------------------------------------------------------- checkpoint package stays XLA-free
+
+
+def _is_torch_xla(module: str) -> bool:
+    return module == "torch_xla" or module.startswith("torch_xla.")
+
+
+def torch_xla_imports(files: Iterable[Path]) -> Iterator[str]:
+    """``path:line: module`` for every torch_xla import in ``files`` (lazy and hook imports included)."""
+    for path in files:
+        for site in collect_imports(path, module_name(path)):
+            if _is_torch_xla(site.module):
+                yield f"{_shown(path)}:{site.line}: {site.module}"
+
+
+def test_checkpoint_package_never_imports_torch_xla() -> None:
+    checkpoint_dir = PACKAGE_DIR / "checkpoint"
+    if not checkpoint_dir.is_dir():
+        pytest.skip(f"{checkpoint_dir.relative_to(ROOT)}/ does not exist yet (checkpoint code is still flat modules)")
+    files = sorted(checkpoint_dir.rglob("*.py"))
+    assert files, f"no .py file under {checkpoint_dir}"
+    found = list(torch_xla_imports(files))
+    if found:  # consolidation and export must run on a machine with torch only
+        pytest.fail("torch_xla imported in the checkpoint package:\n  " + "\n  ".join(found), pytrace=False)
+
+
+# ---------------------------------------------------------------- the installed wheel works
+
+
+# Runs in the child: proves the installed copy is the one imported, runs the CLI, and catches any
+# hf_xla_fsdp module that came from elsewhere (e.g. a venv's editable finder filling in a module
+# the wheel lacks).
+_EXPORT_SCRIPT = """
+import sys
+from pathlib import Path
+
+target, ckpt, out = Path(sys.argv[1]).resolve(), sys.argv[2], sys.argv[3]
+
+import hf_xla_fsdp
+from hf_xla_fsdp import cli
+
+assert Path(hf_xla_fsdp.__file__).resolve().is_relative_to(target), (
+    f"hf_xla_fsdp imported from {hf_xla_fsdp.__file__}, not from the installed wheel in {target}")
+rc = cli.main(["export", ckpt, "-o", out, "--quiet"])
+strays = sorted(f"{name} ({mod.__file__})" for name, mod in list(sys.modules.items())
+                if (name == "hf_xla_fsdp" or name.startswith("hf_xla_fsdp.")) and getattr(mod, "__file__", None)
+                and not Path(mod.__file__).resolve().is_relative_to(target))
+assert not strays, "imported from outside the installed wheel: " + ", ".join(strays)
+sys.exit(rc)
+"""
+
+_NOT_SOURCE = {".git", ".venv", "build", "dist", "runs", "out", ".pytest_cache"}
+
+
+def _ignore_non_source(directory: str, names: list[str]) -> set[str]:
+    """Build outputs, caches and VCS data are not part of what a wheel is built from."""
+    top = Path(directory) == ROOT
+    return {n for n in names if n == "__pycache__" or n.endswith(".egg-info") or (top and n in _NOT_SOURCE)}
+
+
+def _run(cmd: list[str], *, what: str, hint: str = "", **kwargs: object) -> subprocess.CompletedProcess:
+    """Run ``cmd``; fail the test with its output (and ``hint``) when it exits non-zero."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kwargs)
+    if proc.returncode != 0:
+        pytest.fail(f"{what} failed (rc {proc.returncode}){hint}\n"
+                    f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}", pytrace=False)
+    return proc
+
+
+def build_wheel(tmp: Path) -> Path:
+    """A wheel of the project, built offline from a copy of the source tree."""
+    # a copy: setuptools keeps build/lib between builds, and a module deleted from the source
+    # would still land in the next wheel built in place
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=_ignore_non_source)
+    dist = tmp / "dist"
+    # --no-build-isolation builds with this interpreter's packages: pip checks that pyproject's
+    # [build-system] requires are installed here instead of fetching them
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+          "--check-build-dependencies", "--disable-pip-version-check", "-q", "-w", str(dist), str(src)],
+         what="building the wheel",
+         hint="\nhint: install pyproject's [build-system] requires in this environment; setuptools<70.1 "
+              "needs `wheel<0.46` for bdist_wheel (setuptools>=70.1 needs no `wheel`)")
+    wheels = sorted(dist.glob(f"{PACKAGE}-*.whl"))
+    assert len(wheels) == 1, f"expected one {PACKAGE} wheel in {dist}, found {wheels}"
+    return wheels[0]
+
+
+def make_checkpoint(directory: Path) -> None:
+    """A tiny consolidated Llama (export accepts one), made without any XLA work."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+@pytest.mark.slow
+def test_wheel_install_runs_export(tmp_path: Path) -> None:
+    wheel = build_wheel(tmp_path / "build")
+    target = tmp_path / "site"
+    _run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", "-q",
+          "--target", str(target), str(wheel)], what="installing the wheel")
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "tiny-llama-export"
+    make_checkpoint(ckpt)
+    cwd = tmp_path / "cwd"  # outside the repo: the source tree must not be importable from here
+    cwd.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(target), USE_TORCH_XLA="0", PJRT_DEVICE="CPU", HF_HUB_OFFLINE="1")
+    _run([sys.executable, "-c", _EXPORT_SCRIPT, str(target), str(ckpt), str(out)],
+         what="`hf-xla-fsdp export` from the installed wheel", cwd=cwd, env=env)
+    readme = out / "README.md"
+    assert readme.is_file(), f"no {readme}; export wrote {sorted(p.name for p in out.iterdir())}"
+    card = readme.read_text(encoding="utf-8")
+    assert f"# {out.name}" in card and "Llama" in card, card[:2000]
