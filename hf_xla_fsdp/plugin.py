@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
@@ -23,6 +24,8 @@ from .settings import check_size, parse_bool, parse_dtype, parse_int
 
 if TYPE_CHECKING:  # keep torch_xla and transformers out of the import path of config-only users
     from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
 
 _SHARDING = ("zero3", "zero2")
 CHECKPOINT_FORMATS = ("sharded", "sharded+consolidated")
@@ -207,7 +210,26 @@ class XlaFsdpPlugin:
         settings = data.get("fsdp_config") or {}
         if not isinstance(settings, Mapping):
             raise ConfigError(f"fsdp_config in {yaml_path} must be a mapping of settings")
-        return cls(**_normalize(settings, f"fsdp_config in {yaml_path}"))
+        out = _normalize(settings, f"fsdp_config in {yaml_path}")
+        precision = str(data.get("mixed_precision") or "no").strip().lower()
+        if precision not in ("no", "bf16", "fp16", "fp8"):
+            raise ConfigError(f"mixed_precision={precision!r} in {yaml_path} is not valid; allowed values: no, bf16, fp16")
+        if precision == "fp8":
+            raise ConfigError(f"mixed_precision=fp8 in {yaml_path} cannot be honoured on XLA FSDP; use bf16 or no")
+        if precision != "no":  # accelerate's mixed precision is the FSDP compute dtype here (parameters stay fp32)
+            wanted = parse_dtype(precision, "mixed_precision")
+            given = parse_dtype(out.get("compute_dtype"), "compute_dtype")
+            if given is not None and given != wanted:
+                raise ConfigError(f"mixed_precision={precision} and compute_dtype={out['compute_dtype']} in {yaml_path} "
+                                  "disagree; keep one of them")
+            out["compute_dtype"] = wanted
+        try:
+            return cls(**out)
+        except ConfigError as err:
+            if precision != "no" and "compute_dtype" in str(err):
+                raise ConfigError(f"mixed_precision={precision} in {yaml_path} asks for compute_dtype={precision}: "
+                                  f"{err}") from None
+            raise
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable settings (dtypes as strings); ``from_dict(to_dict())`` round-trips."""
@@ -263,9 +285,59 @@ def read_accelerate_yaml(path: Union[str, os.PathLike]) -> Any:
 # transformers' fsdp_config keys that are not settings of their own
 _SPECIAL_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_settings")
 
+# keys of accelerate's torch-FSDP plugin (as `accelerate config` writes them) that say nothing on XLA: accepted
+# with one logged note each
+_NO_MEANING_ON_XLA = {
+    "fsdp_backward_prefetch": "XLA schedules the all-gathers itself",
+    "fsdp_forward_prefetch": "XLA schedules the all-gathers itself",
+    "fsdp_sync_module_states": "every rank builds the same weights (same seed, or the same pretrained files)",
+    "fsdp_use_orig_params": "optimizer groups, weight decay and checkpoints use the original parameter names anyway",
+    "fsdp_cpu_offload": "parameters stay on the XLA device",
+}
+_STATE_DICT_TYPES = {"full_state_dict": "sharded+consolidated", "sharded_state_dict": "sharded",
+                     "local_state_dict": "sharded"}
+_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+_ACCELERATE_DEFAULT_MIN_NUM_PARAMS = 100_000_000  # accelerate's FullyShardedDataParallelPlugin default
+
 
 def _aliases() -> dict[str, str]:
     return {alias: f.name for f in dataclasses.fields(XlaFsdpPlugin) for alias in f.metadata["aliases"]}
+
+
+def _note(key: str, value: Any, why: str, source: str) -> None:
+    logger.warning("%s=%r in %s has no meaning on XLA (%s); ignored", key, value, source, why)
+
+
+def _accelerate_key(key: str, value: Any, out: dict[str, Any], source: str) -> bool:
+    """Map one key of accelerate's torch-FSDP vocabulary onto our settings; False when ``key`` is not one of them."""
+    if key in _NO_MEANING_ON_XLA:
+        _note(key, value, _NO_MEANING_ON_XLA[key], source)
+    elif key == "fsdp_version":  # torch FSDP1 / FSDP2 (fully_shard); our engine is `version`
+        if parse_int(value, key, 1) == 2:
+            out["_torch_fsdp2"] = True
+        else:
+            _note(key, value, "it picks torch's FSDP implementation; `version` picks the XLA FSDP engine", source)
+    elif key == "fsdp_offload_params":
+        if parse_bool(value, key):
+            raise ConfigError(f"{key}=true in {source} cannot be honoured: XLA FSDP keeps parameters on the XLA device "
+                              "(no CPU offload); set it to false or remove it")
+    elif key == "fsdp_cpu_ram_efficient_loading":
+        out["meta_init"] = value  # the same intent: never the whole model in host memory
+    elif key == "fsdp_state_dict_type":
+        fmt = _STATE_DICT_TYPES.get(str(value).strip().lower())
+        if fmt is None:
+            raise ConfigError(f"{key}={value!r} in {source} is not valid; allowed values: "
+                              f"{', '.join(t.upper() for t in _STATE_DICT_TYPES)}")
+        out["checkpoint_format"] = fmt
+    elif key == "fsdp_auto_wrap_policy":
+        policy = str(value).strip().lower()
+        if policy not in _WRAP_POLICIES:
+            raise ConfigError(f"{key}={value!r} in {source} is not valid; allowed values: "
+                              f"{', '.join(p.upper() for p in _WRAP_POLICIES)}")
+        out["_auto_wrap_policy"] = policy
+    else:
+        return False
+    return True
 
 
 def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -275,6 +347,8 @@ def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
     kwargs = XlaFsdpPlugin.fsdp_kwarg_names()
     out: dict[str, Any] = {}
     for raw_key, value in settings.items():
+        if _accelerate_key(str(raw_key), value, out, source):
+            continue
         key = str(raw_key)
         key = key[len("fsdp_"):] if key.startswith("fsdp_") else key
         if key == "xla":
@@ -293,18 +367,44 @@ def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
                     raise ConfigError(f"unknown key xla_fsdp_settings.{sub_key} in {source}; allowed: {', '.join(kwargs)}")
                 out[sub_key] = sub_value
             continue
-        if key == "reshard_after_forward" and isinstance(value, str) and value.lower() in _LEGACY_STRATEGIES:
-            # transformers turns a legacy `--fsdp "full_shard"` into this FSDP1 strategy name
-            out["sharding"] = _LEGACY_STRATEGIES[value.lower()]
+        if key == "reshard_after_forward" and isinstance(value, str):
+            # accelerate writes the FSDP1 sharding strategy here; transformers turns `--fsdp "full_shard"` into it
+            out["sharding"] = _strategy(value, str(raw_key), source)
             continue
         key = aliases.get(key, key)
         if key not in fields:
             raise ConfigError(
                 f"unknown key {raw_key!r} in {source}; allowed: {', '.join(_SPECIAL_KEYS)}, "
-                f"{', '.join(sorted(set(aliases) | fields))}"
+                f"{', '.join(sorted(set(aliases) | fields))}, and accelerate's fsdp_* keys (see the README's table)"
             )
         out[key] = value
+    if "sharding" in out:
+        out["sharding"] = _strategy(out["sharding"], "sharding", source)
+    policy = out.pop("_auto_wrap_policy", None)
+    if policy == "no_wrap":
+        out["sharding"] = "zero2"  # one unit: the root
+    elif policy == "size_based_wrap":
+        out.setdefault("min_num_params", _ACCELERATE_DEFAULT_MIN_NUM_PARAMS)
+    elif policy == "transformer_based_wrap" and int(out.get("min_num_params") or 0) > 0:
+        raise ConfigError(f"fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP in {source} conflicts with min_num_params > 0 "
+                          "(size-based wrapping); keep one of them")
+    if out.pop("_torch_fsdp2", False) and int(out.get("version", 1)) != 2:
+        raise ConfigError(f"fsdp_version=2 in {source} selects torch's FSDP2 (fully_shard), which does not run on XLA; "
+                          "remove it for XLA FSDP v1 (distributed_type: XLA), or set version: 2 with distributed_type: NO "
+                          "for XLA FSDP v2 (SPMD)")
     return out
+
+
+def _strategy(value: Any, key: str, source: str) -> Any:
+    """Sharding strategies of torch FSDP mapped onto ``sharding``; those XLA FSDP cannot honour are refused."""
+    name = str(value).strip().lower()
+    if name in ("no_shard", "3"):
+        raise ConfigError(f"{key}={value!r} in {source}: NO_SHARD is plain data parallelism, not FSDP; use "
+                          "FULL_SHARD (zero3) or SHARD_GRAD_OP (zero2), or train without hf_xla_fsdp")
+    if name.startswith("hybrid_shard") or name in ("4", "5"):
+        raise ConfigError(f"{key}={value!r} in {source}: hybrid sharding is FSDP v2's replica_size here; "
+                          "set version: 2 and replica_size: N (parameters replicated over N groups)")
+    return _LEGACY_STRATEGIES.get(name, value)
 
 
 def resolve_classes(model: torch.nn.Module, names: Sequence[str]) -> set[type]:

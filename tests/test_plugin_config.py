@@ -82,7 +82,9 @@ def test_fsdp_config_json_file_and_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "cfg,needle",
     [
-        ({"xla": True, "backward_prefetch": "BACKWARD_PRE"}, "unknown key 'backward_prefetch' in fsdp_config"),
+        ({"xla": True, "backward_prefetsh": "BACKWARD_PRE"}, "unknown key 'backward_prefetsh' in fsdp_config"),
+        ({"xla": True, "fsdp_offload_params": True}, "fsdp_offload_params=true in fsdp_config cannot be honoured"),
+        ({"xla": True, "fsdp_version": 2}, "selects torch's FSDP2 (fully_shard), which does not run on XLA"),
         ({"xla": True, "xla_fsdp_settings": {"bogus": 1}}, "unknown key xla_fsdp_settings.bogus"),
         ({"xla": False}, "set xla to true"),
         ({"xla_fsdp_v2": True, "xla_fsdp_settings": {"compute_dtype": "bfloat16"}}, "not available with version=2"),
@@ -120,8 +122,8 @@ def test_accelerate_yaml(tmp_path):
 
 def test_accelerate_yaml_errors(tmp_path):
     path = tmp_path / "acc.yaml"
-    path.write_text("distributed_type: XLA\nfsdp_config:\n  fsdp_offload_params: true\n")
-    with pytest.raises(ConfigError, match=r"unknown key 'fsdp_offload_params' in fsdp_config in .*acc.yaml"):
+    path.write_text("distributed_type: XLA\nfsdp_config:\n  fsdp_offload_parameters: true\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'fsdp_offload_parameters' in fsdp_config in .*acc.yaml"):
         XlaFsdpPlugin.from_accelerate_config(path)
     path.write_text("fsdp_config: [a, b]\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
@@ -136,3 +138,77 @@ def test_malformed_yaml_is_one_line(tmp_path):
     with pytest.raises(ConfigError) as err:
         XlaFsdpPlugin.from_accelerate_config(path)
     assert "is not valid YAML" in str(err.value) and "\n" not in str(err.value)
+
+
+ACCELERATE_CONFIG_FSDP = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: XLA
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch: BACKWARD_PRE
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_forward_prefetch: false
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: SHARD_GRAD_OP
+  fsdp_state_dict_type: FULL_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_use_orig_params: true
+  fsdp_version: 1
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def test_every_key_accelerate_config_writes_for_torch_fsdp_is_mapped(tmp_path, caplog):
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(ACCELERATE_CONFIG_FSDP)
+    with caplog.at_level("WARNING", logger="hf_xla_fsdp"):
+        p = XlaFsdpPlugin.from_accelerate_config(path)
+    assert p.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"] and p.activation_checkpointing
+    assert p.sharding == "zero2" and p.meta_init and p.checkpoint_format == "sharded+consolidated"
+    assert p.compute_dtype is torch.bfloat16 and p.version == 1
+    noted = {r.getMessage().split("=")[0] for r in caplog.records}
+    assert noted == {"fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_sync_module_states",
+                     "fsdp_use_orig_params", "fsdp_version"}  # one note each, for the keys with no meaning on XLA
+
+
+@pytest.mark.parametrize("edit,replacement,named", [
+    ("fsdp_offload_params: false", "fsdp_offload_params: true", "fsdp_offload_params"),
+    ("fsdp_version: 1", "fsdp_version: 2", "fsdp_version"),
+    ("fsdp_reshard_after_forward: SHARD_GRAD_OP", "fsdp_reshard_after_forward: NO_SHARD", "NO_SHARD"),
+    ("fsdp_reshard_after_forward: SHARD_GRAD_OP", "fsdp_reshard_after_forward: HYBRID_SHARD", "replica_size"),
+    ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP", "fsdp_auto_wrap_policy: LAYER_WRAP", "fsdp_auto_wrap_policy"),
+    ("fsdp_state_dict_type: FULL_STATE_DICT", "fsdp_state_dict_type: HALF_STATE_DICT", "fsdp_state_dict_type"),
+    ("mixed_precision: bf16", "mixed_precision: fp8", "mixed_precision=fp8"),
+    ("fsdp_use_orig_params: true", "fsdp_use_orig_params: true\n  compute_dtype: float16", "disagree"),
+])
+def test_accelerate_fsdp_keys_that_cannot_be_honoured_are_one_line(tmp_path, edit, replacement, named):
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(ACCELERATE_CONFIG_FSDP.replace(edit, replacement))
+    with pytest.raises(ConfigError) as err:
+        XlaFsdpPlugin.from_accelerate_config(path)
+    assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_size_and_no_wrap_policies():
+    size = XlaFsdpPlugin.from_fsdp_config({"xla": True, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP"})
+    assert size.min_num_params == 100_000_000  # accelerate's default when the YAML names none
+    sized = XlaFsdpPlugin.from_fsdp_config({"xla": True, "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                                            "fsdp_min_num_params": 1000})
+    assert sized.min_num_params == 1000
+    root = XlaFsdpPlugin.from_fsdp_config({"xla": True, "fsdp_auto_wrap_policy": "NO_WRAP",
+                                           "fsdp_reshard_after_forward": "FULL_SHARD"})
+    assert root.sharding == "zero2"  # one unit, the root

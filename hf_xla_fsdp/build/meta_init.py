@@ -68,7 +68,8 @@ def safetensors_weight_map(directory: Path) -> dict[str, Path]:
         out = {}
         for key, fname in weight_map.items():
             if not isinstance(fname, str) or Path(fname).name != fname or fname in ("", ".", ".."):
-                raise ConfigError(f"{index} names file {fname!r} for {key!r}: only plain file names in the same directory are allowed")
+                raise ConfigError(f"{index} names file {fname!r} for {key!r}: "
+                                  "only plain file names in the same directory are allowed")
             path = directory / fname
             if not path.is_file():
                 raise ConfigError(f"{index} names {fname} for {key!r}, but that file is missing")

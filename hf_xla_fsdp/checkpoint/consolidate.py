@@ -331,3 +331,9 @@ def consolidate_into(ckpt: Path, output: Path, *, dtype: str = "auto", max_shard
         merge_into(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_full_state_dict(ckpt: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
+    """Every tensor of the model saved in ``ckpt``, full and with the original names, read one at a time."""
+    ranks = open_checkpoint(ckpt)
+    return {t.name: t.read(ranks) for t in plan_outputs(ranks)}

@@ -119,8 +119,12 @@ class Engine:
         return name
 
     def original_names(self, model: nn.Module) -> dict[str, str]:
-        """Wrapped parameter name -> the user's parameter name (a flattened group maps to its first member)."""
+        """Wrapped parameter name -> the user's parameter name (a flattened group maps to its flat name)."""
         raise NotImplementedError
+
+    def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
+        """Wrapped parameter name -> the user's names of every parameter it holds (several for a flat group)."""
+        return {name: [orig] for name, orig in self.original_names(model).items()}
 
     # ----------------------------------------------------------------- checkpoints
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:

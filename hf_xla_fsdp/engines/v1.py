@@ -80,14 +80,16 @@ class XlaFsdpV1(Engine):
         md = model.get_shard_metadata()
         return int(md["rank"]), int(md["world_size"])
 
-    def original_names(self, model: nn.Module) -> dict[str, str]:
-        shard_info = model.get_shard_metadata()["shard_info"]
+    def _origins(self, model: nn.Module) -> dict[str, tuple[str, list[str]]]:
+        """Wrapped name -> (its own name without wrappers, the user's names of every parameter it holds)."""
+        md = model.get_shard_metadata()
+        shard_info, flatten_info = md["shard_info"], md["flatten_info"]
         out = {}
         for name, _ in model.named_parameters():
             parts = name.split(".")
             idx = next((i for i, p in enumerate(parts) if p.startswith("_fsdp_shard")), None)
             if idx is None:
-                out[name] = clean_name(name)
+                out[name] = (clean_name(name), [clean_name(name)])
                 continue
             prefix, suffix = ".".join(parts[:idx]), ".".join(parts[idx:])
             # parameter names pass through the flatten wrapper (_fpw_module); shard_info keys do not
@@ -96,8 +98,20 @@ class XlaFsdpV1(Engine):
                 orig = shard_info[prefix][suffix]["_orig_name"]
             except KeyError:
                 raise ConfigError(f"{name} has no entry in the FSDP shard metadata") from None
-            out[name] = clean_name(f"{prefix}.{orig}" if prefix else orig)
+            full = f"{prefix}.{orig}" if prefix else orig
+            if full in flatten_info:
+                base = full.rsplit(".", 1)[0]
+                members = [clean_name(f"{base}.{member}") for member in flatten_info[full][0]]
+            else:
+                members = [clean_name(full)]
+            out[name] = (clean_name(full), members)
         return out
+
+    def original_names(self, model: nn.Module) -> dict[str, str]:
+        return {name: own for name, (own, _) in self._origins(model).items()}
+
+    def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
+        return {name: members for name, (_, members) in self._origins(model).items()}
 
     # ----------------------------------------------------------------- checkpoints
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:

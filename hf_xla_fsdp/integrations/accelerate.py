@@ -9,23 +9,36 @@ YAML itself, in this order:
    one of its parents (read from the OS, so ``xmp.spawn`` workers and threads find it too);
 3. accelerate's default config file, when it exists.
 
-:class:`XlaFsdpAccelerator` is an ``accelerate.Accelerator`` that applies those settings:
-``prepare`` wraps the model (or keeps a model already built with :meth:`build_model`), gradients
-are never all-reduced again after FSDP's reduce-scatter (so ``optimizer.step()`` stays a plain
-step, never ``xm.optimizer_step``), ``clip_grad_norm_``'s norm spans every rank's shards,
-``save_state``/``load_state`` are the sharded rank checkpoints and ``save_model`` consolidates.
+:class:`XlaFsdpAccelerator` is an ``accelerate.Accelerator`` that applies those settings, so a
+script written for ``Accelerator`` runs with one swapped import:
+
+* ``prepare`` wraps the model (or keeps a model already built with :meth:`build_model`); an
+  optimizer built before ``prepare`` on the unwrapped model's parameters (any groups) is re-pointed
+  at the sharded parameters, in the same call or a later / earlier one;
+* gradients are never all-reduced again after FSDP's reduce-scatter (so ``optimizer.step()`` stays
+  a plain step, never ``xm.optimizer_step``) and ``clip_grad_norm_``'s norm spans every rank's shards;
+* ``save_state``/``load_state`` write and read sharded rank checkpoints (automatic naming and
+  rotation of ``ProjectConfiguration``, registered objects included); ``get_state_dict`` returns the
+  full state dict with the original names, and ``unwrap_model(model).save_pretrained(...)`` and
+  ``save_model`` write a ``from_pretrained``-ready directory.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import re
+import shutil
+import tempfile
+import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from accelerate import Accelerator
 
-from ..engines import engine_for
+from ..engines import engine_for, engine_of, is_wrapped, unwrap
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin, read_accelerate_yaml
 
@@ -85,6 +98,53 @@ def plugin_from_accelerate_launch() -> XlaFsdpPlugin:
     return plugin
 
 
+logger = logging.getLogger(__name__)
+
+_OWN_SAVE = "_hf_xla_fsdp_save_pretrained"
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, moved: dict[int, torch.nn.Parameter],
+                      sharded: set[int]) -> list[torch.nn.Parameter]:
+    """Point every group of ``optimizer`` at the sharded parameters; returns the parameters it could not place.
+
+    ``moved`` maps ``id(original parameter)`` to the sharded parameter that now holds it; ``sharded``
+    holds the ids of every prepared model's parameters. A flat parameter (``flatten_parameters``)
+    holds several originals: they must all sit in groups with the same hyperparameters.
+    """
+    unknown: list[torch.nn.Parameter] = []
+    owner: dict[int, int] = {}
+    new_groups: list[list[torch.nn.Parameter]] = []
+    for index, group in enumerate(optimizer.param_groups):
+        params: list[torch.nn.Parameter] = []
+        for p in group["params"]:
+            new = p if id(p) in sharded else moved.get(id(p))
+            if new is None:
+                unknown.append(p)
+                params.append(p)
+                continue
+            if id(new) in owner:
+                first = optimizer.param_groups[owner[id(new)]]
+                if owner[id(new)] != index and _hyperparameters(first) != _hyperparameters(group):
+                    raise ConfigError(
+                        f"flatten_parameters puts parameters of optimizer groups {owner[id(new)]} and {index} (different "
+                        "hyperparameters, e.g. weight decay) into one flat parameter; set flatten_parameters: false, or "
+                        "give those parameters the same group settings")
+                continue  # already in the optimizer through another member of its flat group (or a tied name)
+            owner[id(new)] = index
+            params.append(new)
+        new_groups.append(params)
+    if optimizer.state and any(id(p) in moved for group in optimizer.param_groups for p in group["params"]):
+        raise ConfigError("the optimizer already holds state (it has stepped) for the unwrapped model's parameters; "
+                          "prepare it before its first step")
+    for group, params in zip(optimizer.param_groups, new_groups):
+        group["params"] = params
+    return unknown
+
+
 class XlaFsdpAccelerator(Accelerator):
     """An ``Accelerator`` whose models are XLA FSDP models configured by the accelerate YAML."""
 
@@ -95,31 +155,62 @@ class XlaFsdpAccelerator(Accelerator):
         engine_for(plugin).setup_runtime(plugin)
         super().__init__(*args, **kwargs)
         self.xla_fsdp_plugin = plugin
+        self._moved_params: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> its sharded parameter
 
-    # ----------------------------------------------------------------- models
+    # ----------------------------------------------------------------- models and optimizers
     def build_model(self, source: Any, **kwargs: Any) -> torch.nn.Module:
         """Build ``source`` (config, config.json or local model dir) on meta, block by block, wrapped."""
         return self.xla_fsdp_plugin.build(source, progress=self.is_main_process, **kwargs)
 
+    def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
+        """accelerate's ``prepare``; afterwards every prepared optimizer must hold only prepared models' parameters."""
+        result = super().prepare(*args, device_placement=device_placement)
+        if self._models:
+            self._check_optimizers()
+        return result
+
+    def _get_named_parameters(self, *args: Any, drop_refs: bool = False) -> dict[str, Any]:
+        # accelerate re-maps optimizer parameters by name after XLA device placement; FSDP renames and shards
+        # them (and ties share one), so that map would fail: this class re-points optimizers itself
+        return {}
+
     def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
-        """Wrap ``model`` with XLA FSDP unless it already is (e.g. from :meth:`build_model`)."""
-        from ..engines import is_wrapped
-
+        """Wrap ``model`` with XLA FSDP unless it already is (e.g. from :meth:`build_model`); re-point optimizers."""
         if not is_wrapped(model):
+            originals: dict[str, int] = {}
+            for name, param in model.named_parameters(remove_duplicate=False):
+                originals.setdefault(name, id(param))
             model = self.xla_fsdp_plugin.wrap(model)
+            params = dict(model.named_parameters())
+            for name, members in engine_of(model).parameter_origins(model).items():
+                for member in members:
+                    if member in originals:
+                        self._moved_params[originals[member]] = params[name]
         if not any(m is model for m in self._models):  # Trainer prepares the same model again for eval
             self._models.append(model)
+        for optimizer in self._optimizers:
+            repoint_optimizer(optimizer.optimizer, self._moved_params, self._sharded_ids())
         return model
 
+    def _sharded_ids(self) -> set[int]:
+        return {id(p) for m in self._models for p in m.parameters()}
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
-        """Refuse an optimizer built on the parameters of the model before it was sharded."""
-        sharded = {id(p) for m in self._models for p in m.parameters()}
-        if any(id(p) not in sharded for group in optimizer.param_groups for p in group["params"]):
-            raise ConfigError(
-                "the optimizer holds parameters that are not the FSDP model's: create it after the model is "
-                "wrapped (accelerator.build_model(...) or model = accelerator.prepare(model)), from model.parameters()")
+        """accelerate's optimizer wrapper around ``optimizer``, re-pointed at the sharded parameters where known."""
+        repoint_optimizer(optimizer, self._moved_params, self._sharded_ids())
         return super().prepare_optimizer(optimizer, device_placement=False)
+
+    def _check_optimizers(self) -> None:
+        sharded = self._sharded_ids()
+        for optimizer in self._optimizers:
+            unknown = repoint_optimizer(optimizer.optimizer, self._moved_params, sharded)
+            if unknown:
+                shapes = ", ".join(str(list(p.shape)) for p in unknown[:3])
+                raise ConfigError(
+                    f"the optimizer holds {len(unknown)} parameter(s) of no prepared model (shapes {shapes}): build it "
+                    "from model.parameters() of the model you prepare (before or after prepare); to create it after the "
+                    "model is wrapped, use the prepared model's parameters")
 
     def _fsdp_model(self) -> torch.nn.Module:
         if len(self._models) != 1:
@@ -159,34 +250,155 @@ class XlaFsdpAccelerator(Accelerator):
     def _scheduler(self) -> Any:
         return self._schedulers[0].scheduler if self._schedulers else None
 
-    def save_state(self, output_dir: Union[str, os.PathLike, None] = None, *, step: Optional[int] = None,
-                   extra: Optional[dict[str, Any]] = None, **_: Any) -> str:
-        """Sharded rank checkpoint of model, optimizer, scheduler, RNG and ``extra`` (every rank calls it)."""
+    def _checkpoints_dir(self) -> Path:
+        return Path(self.project_dir) / "checkpoints"
+
+    def save_state(self, output_dir: Union[str, os.PathLike, None] = None, safe_serialization: bool = True, *,
+                   step: Optional[int] = None, extra: Optional[dict[str, Any]] = None, **_: Any) -> str:
+        """Sharded rank checkpoint of model, optimizer, scheduler, RNG, registered objects and ``extra``.
+
+        Every process calls it. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
+        names it ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps at most ``total_limit`` of them,
+        as accelerate does.
+        """
         from ..checkpoint import save_checkpoint
 
+        config = self.project_configuration
         if output_dir is None:
-            raise ConfigError("save_state needs an output_dir for the sharded checkpoint")
+            if not config.automatic_checkpoint_naming:
+                raise ConfigError("save_state needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
+            output_dir = self._checkpoints_dir() / f"checkpoint_{self.save_iteration}"
+            if output_dir.exists():
+                raise ConfigError(f"checkpoint directory {output_dir} already exists; set accelerator.project_configuration"
+                                  ".iteration to the iteration to continue from")
+        output_dir = Path(output_dir)
+        custom = [obj.state_dict() for obj in self._custom_objects]
+
+        def add_custom_objects(stage: Path) -> None:
+            for index, state in enumerate(custom):  # accelerate's file names, read back with weights_only=True
+                torch.save(state, stage / f"custom_checkpoint_{index}.pkl")
+
         save_checkpoint(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(),
                         step=self.step if step is None else step, plugin=self.xla_fsdp_plugin, extra=extra,
-                        barrier=lambda tag: self.wait_for_everyone())
+                        barrier=lambda tag: self.wait_for_everyone(), before_commit=add_custom_objects)
+        if config.automatic_checkpoint_naming:
+            config.iteration += 1
+            if config.total_limit is not None and self.is_main_process:
+                for old in self._automatic_checkpoints()[:-config.total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
         return str(output_dir)
 
+    def _automatic_checkpoints(self) -> list[Path]:
+        """``checkpoint_<i>`` directories under ``<project_dir>/checkpoints``, oldest first."""
+        root = self._checkpoints_dir()
+        found = [p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint_\d+", p.name)] if root.is_dir() else []
+        return sorted(found, key=lambda p: int(p.name.rsplit("_", 1)[1]))
+
     def load_state(self, input_dir: Union[str, os.PathLike, None] = None, **_: Any) -> dict[str, Any]:
-        """Restore what :meth:`save_state` saved (any world size); returns ``step``, ``extra``, ..."""
+        """Restore what :meth:`save_state` saved (any world size); without ``input_dir``, the latest automatic one.
+
+        Returns ``step``, ``extra``, ...; ``accelerator.step`` is restored too.
+        """
         from ..checkpoint import load_checkpoint
 
         if input_dir is None:
-            raise ConfigError("load_state needs the checkpoint directory to resume from")
+            if not self.project_configuration.automatic_checkpoint_naming:
+                raise ConfigError("load_state needs the checkpoint directory to resume from (or automatic checkpoint naming)")
+            found = self._automatic_checkpoints()
+            if not found:
+                raise ConfigError(f"no checkpoint_<i> directory under {self._checkpoints_dir()} to resume from")
+            input_dir = found[-1]
+            self.project_configuration.iteration = int(found[-1].name.rsplit("_", 1)[1]) + 1
+        input_dir = Path(input_dir)
         info = load_checkpoint(input_dir, self._fsdp_model(), self._optimizer(), self._scheduler())
+        for index, obj in enumerate(self._custom_objects):
+            path = input_dir / f"custom_checkpoint_{index}.pkl"
+            if not path.is_file():
+                raise ConfigError(f"{input_dir} holds no state for registered object {index} ({type(obj).__name__})")
+            obj.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         self.step = info["step"]
         return info
 
+    # ----------------------------------------------------------------- full weights
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The full, unsharded state dict with the original parameter names, on the main process (``{}`` elsewhere).
+
+        Every process must call it. Each rank's shard goes to a temporary sharded checkpoint that the
+        main process reads back tensor by tensor (``HF_XLA_FSDP_TMPDIR`` picks where; it must be visible
+        to every process of the run).
+        """
+        from ..checkpoint import save_checkpoint
+        from ..checkpoint.consolidate import read_full_state_dict
+
+        if not is_wrapped(model):
+            return super().get_state_dict(model, unwrap=unwrap)
+        root = Path(os.environ.get("HF_XLA_FSDP_TMPDIR") or tempfile.gettempdir())
+        # the same name on every process of this run without communication: the launcher's pid and a counter
+        self._state_dict_calls = getattr(self, "_state_dict_calls", 0) + 1
+        launcher = os.getppid() if self.num_processes > 1 else os.getpid()
+        tmp = root / f"hf_xla_fsdp-state-{launcher}-{self._state_dict_calls}"
+        try:
+            save_checkpoint(tmp, model, plugin=self.xla_fsdp_plugin, barrier=lambda tag: self.wait_for_everyone())
+            return read_full_state_dict(tmp) if self.is_main_process else {}
+        finally:
+            self.wait_for_everyone()
+            if self.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
-        """The transformers model inside the FSDP units (its parameters stay sharded: save with save_model)."""
-        from ..engines import unwrap
+        """The transformers model inside the FSDP units.
 
-        return unwrap(model)
+        Its parameters stay sharded; its ``save_pretrained`` is replaced (on this instance only) by one
+        that gathers the full weights first, so the usual final save of accelerate scripts writes a
+        correct ``from_pretrained``-ready directory.
+        """
+        inner = unwrap(model)
+        if inner is not model and hasattr(inner, "save_pretrained") and not hasattr(inner, _OWN_SAVE):
+            original = type(inner).save_pretrained
+            inner.save_pretrained = functools.partial(self._save_pretrained, model, inner, original)
+            setattr(inner, _OWN_SAVE, True)
+        return inner
+
+    def _save_pretrained(self, model: torch.nn.Module, inner: torch.nn.Module, original: Any,
+                         save_directory: Union[str, os.PathLike], *args: Any, is_main_process: bool = True,
+                         state_dict: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any) -> None:
+        """``save_pretrained`` of a sharded model: full weights gathered, written to a staging dir, then moved in."""
+        from ..checkpoint.layout import merge_into
+
+        if state_dict is None:
+            state_dict = self.get_state_dict(model)  # every process takes part
+        elif is_main_process and not state_dict:
+            raise ConfigError("save_pretrained got an empty state_dict on the main process; pass "
+                              "state_dict=accelerator.get_state_dict(model) from every process")
+        if is_main_process:
+            self._check_state_dict(inner, state_dict)
+            save_directory = Path(save_directory)
+            save_directory.parent.mkdir(parents=True, exist_ok=True)
+            stage = save_directory.parent / f".{save_directory.name}.save-{uuid.uuid4().hex[:8]}"
+            try:
+                original(inner, str(stage), *args, is_main_process=True, state_dict=state_dict, **kwargs)
+                merge_into(stage, save_directory)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+        self.wait_for_everyone()
+
+    @staticmethod
+    def _check_state_dict(inner: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Refuse a state dict of another model before anything is written."""
+        from ..checkpoint.consolidate import expected_tensors
+
+        config = getattr(inner, "config", None)
+        if config is None:
+            return
+        expected, tied = expected_tensors(config)
+        problems = [f"{k} is not in {type(inner).__name__}" for k in state_dict if k not in expected]
+        problems += [f"{k} is missing" for k in expected if k not in state_dict and k not in tied]
+        problems += [f"{k} has shape {list(v.shape)}, the model {list(expected[k])}" for k, v in state_dict.items()
+                     if k in expected and tuple(v.shape) != tuple(expected[k])]
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ConfigError(f"the state_dict does not belong to this model: {'; '.join(problems[:3])}{more}")
 
     def save_model(self, model: torch.nn.Module, save_directory: Union[str, os.PathLike],
                    max_shard_size: Union[int, str, None] = None, safe_serialization: bool = True,
