@@ -47,11 +47,11 @@ def _no_xla_runtime() -> None:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Consolidate FSDP rank files into a from_pretrained-ready safetensors directory."""
     _no_xla_runtime()
-    from .checkpoint.consolidate import consolidate
+    from .integrations.peft import consolidate_checkpoint
 
-    summary = consolidate(
-        args.ckpt, args.output, ckpt_suffix=args.ckpt_suffix, config=args.config, dtype=args.dtype,
-        max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
+    summary = consolidate_checkpoint(
+        args.ckpt, args.output, merge_adapters=args.merge_adapters, ckpt_suffix=args.ckpt_suffix, config=args.config,
+        dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
     )
     print(json.dumps(summary, indent=2))
     return 0
@@ -67,7 +67,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.source, args.output, repo_id=args.repo_id, push=args.push, private=args.private,
             revision=args.revision, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
             ckpt_suffix=args.ckpt_suffix, config=args.config, license=args.license, base_model=args.base_model,
-            datasets=args.dataset, progress=not args.quiet,
+            datasets=args.dataset, merge_adapters=args.merge_adapters, progress=not args.quiet,
         )
     except PushError as err:
         print(f"hf-xla-fsdp export: error: {err}", file=sys.stderr)
@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-shard-size", "--max_shard_size", default="5GB")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--merge-adapters", "--merge_adapters", action="store_true",
+                   help="PEFT checkpoints: the full model with the LoRA updates merged in (default: peft's adapter files)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_consolidate)
 
@@ -116,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", "--base_model", default=None, help="the model this one was fine-tuned from")
     p.add_argument("--dataset", action="append", default=None, help="training data set id (repeatable)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--merge-adapters", "--merge_adapters", action="store_true",
+                   help="PEFT checkpoints: export the full model with the LoRA updates merged in")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_export)
     return parser

@@ -99,6 +99,8 @@ class XlaFsdpPlugin:
                                                 "'sharded+consolidated' (also a from_pretrained-ready copy)")
     consolidate_dtype: str = setting("auto", "dtype of consolidated models ('auto' keeps the trained dtype)")
     consolidate_max_shard_size: Union[int, str] = setting("5GB", "largest safetensors file of consolidated models")
+    merge_adapters: bool = setting(False, "PEFT models: the final save writes the full model with the LoRA updates "
+                                          "merged in, instead of peft's adapter files")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # the simple types, from the field descriptions

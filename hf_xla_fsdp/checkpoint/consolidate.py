@@ -202,6 +202,14 @@ def copy_side_files(sources: list[Path], dest: Path) -> list[str]:
     return copied
 
 
+def side_file_sources(ckpt: Union[str, os.PathLike], config: Union[str, os.PathLike, None]) -> list[Path]:
+    """Where a consolidated directory's tokenizer / generation config come from: the checkpoint, its parent, the config's dir."""
+    sources = [Path(ckpt), Path(ckpt).parent] if Path(ckpt).is_dir() else []
+    if config is not None:
+        sources.append(Path(config) if Path(config).is_dir() else Path(config).parent)
+    return sources
+
+
 # --------------------------------------------------------------------------- the job
 def consolidate(
     ckpt: Union[str, os.PathLike],
@@ -213,12 +221,14 @@ def consolidate(
     max_shard_size: Union[int, str] = "5GB",
     overwrite: bool = False,
     progress: bool = True,
+    plan_transform: Optional[Callable[[RankSet, list[Any]], list[Any]]] = None,
 ) -> dict[str, Any]:
     """Consolidate the rank files of ``ckpt`` into ``output`` (safetensors, ``from_pretrained``-ready).
 
     ``ckpt`` is one of our checkpoint directories, a Trainer checkpoint directory, or a torch_xla
     prefix matched with ``ckpt_suffix``. Validation happens before anything is written, and the
-    output appears only when complete. Returns a summary (files, tensors, bytes).
+    output appears only when complete. ``plan_transform(ranks, tensors)`` may rewrite the output
+    tensors (e.g. LoRA adapters merged into their base weights). Returns a summary (files, tensors, bytes).
     """
     from huggingface_hub import split_state_dict_into_shards_factory
     from tqdm.auto import tqdm
@@ -226,6 +236,11 @@ def consolidate(
     out_dtype = None if dtype == "auto" else parse_dtype(dtype, "dtype")
     ranks = open_checkpoint(ckpt, ckpt_suffix)
     plan = plan_outputs(ranks)
+    if plan_transform is not None:
+        plan = plan_transform(ranks, plan)
+    elif (ranks.meta or {}).get("peft"):
+        raise CheckpointError(f"{ckpt} is a checkpoint of a PEFT model: `hf-xla-fsdp consolidate` writes its adapter "
+                              "files, and --merge-adapters the full model with the adapters merged in")
     cfg = load_config(config, ranks)
     check_against_config(plan, cfg)
     if out_dtype is not None:
@@ -259,12 +274,7 @@ def consolidate(
         if len(float_dtypes) == 1:
             cfg.dtype = float_dtypes.pop()
         cfg.save_pretrained(str(stage))
-        sources = []
-        if Path(ckpt).is_dir():
-            sources = [Path(ckpt), Path(ckpt).parent]
-        if config is not None:
-            sources.append(Path(config) if Path(config).is_dir() else Path(config).parent)
-        side = copy_side_files(sources, stage)
+        side = copy_side_files(side_file_sources(ckpt, config), stage)
         info = training_info(ranks)
         if info:
             write_bytes_atomic(stage / TRAINING_INFO, json.dumps(info, indent=2).encode())
@@ -290,6 +300,7 @@ def save_consolidated(
     extra: Optional[dict[str, Any]] = None,
     barrier: Optional[Callable[[str], None]] = None,
     add_files: Optional[Callable[[Path], None]] = None,
+    write: Optional[Callable[[Path, Path], Any]] = None,
     dtype: Optional[str] = None,
     max_shard_size: Union[int, str, None] = None,
     progress: bool = True,
@@ -299,7 +310,8 @@ def save_consolidated(
 
     ``output`` may already hold other things (``checkpoint-*`` directories, logs): they stay; weight
     files of an earlier save are replaced as a whole. ``add_files(dir)`` adds side files (config,
-    tokenizer, ...) next to the shards before consolidation, which copies them. ``dtype`` and
+    tokenizer, ...) next to the shards before consolidation, which copies them. ``write(ckpt, output)``
+    replaces the consolidation (e.g. adapter files of a PEFT model). ``dtype`` and
     ``max_shard_size`` default to the plugin's ``consolidate_dtype`` / ``consolidate_max_shard_size``.
     Call it on every rank.
     """
@@ -312,9 +324,12 @@ def save_consolidated(
         try:
             if add_files is not None:
                 add_files(shards)
-            consolidate_into(shards, output, dtype=dtype or getattr(plugin, "consolidate_dtype", "auto"),
-                             max_shard_size=max_shard_size or getattr(plugin, "consolidate_max_shard_size", "5GB"),
-                             progress=progress)
+            if write is not None:
+                write(shards, output)
+            else:
+                consolidate_into(shards, output, dtype=dtype or getattr(plugin, "consolidate_dtype", "auto"),
+                                 max_shard_size=max_shard_size or getattr(plugin, "consolidate_max_shard_size", "5GB"),
+                                 progress=progress)
         finally:
             shutil.rmtree(shards, ignore_errors=True)
     if barrier is not None:
@@ -323,11 +338,13 @@ def save_consolidated(
 
 
 def consolidate_into(ckpt: Path, output: Path, *, dtype: str = "auto", max_shard_size: Union[int, str] = "5GB",
-                     progress: bool = True) -> None:
+                     progress: bool = True, plan_transform: Optional[Callable[[RankSet, list[Any]], list[Any]]] = None,
+                     ) -> None:
     """Consolidate the complete (marked) checkpoint ``ckpt`` and merge the result into ``output``."""
     tmp = output.parent / f".{output.name}.consolidated-{uuid.uuid4().hex[:8]}"
     try:
-        consolidate(ckpt, tmp, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+        consolidate(ckpt, tmp, dtype=dtype, max_shard_size=max_shard_size, progress=progress,
+                    plan_transform=plan_transform)
         merge_into(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

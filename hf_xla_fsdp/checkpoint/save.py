@@ -38,15 +38,28 @@ def rank_world(model: nn.Module) -> tuple[int, int]:
     return engine_of(model).rank_world(model)
 
 
-def _config_dict(model: nn.Module) -> Optional[dict[str, Any]]:
+def _model_meta(model: nn.Module) -> dict[str, Any]:
+    """The transformers config of the model inside the wrappers (under adapters, the base model's) and, for a
+    PEFT model, every adapter's peft config (so the checkpoint can become adapter files on its own)."""
+    import json
+
     from ..engines import unwrap
 
     inner = unwrap(model)
+    out: dict[str, Any] = {"model_config": None}
+    adapters = getattr(inner, "peft_config", None)
+    if adapters is not None and hasattr(inner, "get_base_model"):  # a peft.PeftModel (peft itself is not imported)
+        def plain(value: Any) -> Any:  # sets (target_modules) as sorted lists, enums and the like as text
+            return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
+
+        out["peft"] = {"adapters": {name: json.loads(json.dumps(cfg.to_dict(), default=plain))
+                                    for name, cfg in adapters.items()},
+                       "active_adapter": getattr(inner, "active_adapter", None)}
+        inner = inner.get_base_model()
     config = getattr(inner, "config", None)
-    if config is None:
-        return None
-    out = config.to_dict()
-    out["architectures"] = [type(inner).__name__]
+    if config is not None:
+        out["model_config"] = config.to_dict()
+        out["model_config"]["architectures"] = [type(inner).__name__]
     return out
 
 
@@ -83,7 +96,7 @@ def write_rank_file(
         "format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
         "rank": rank, "world_size": world, "run_id": run_id, "step": int(step), **state.meta,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": rng_meta(), "model_config": _config_dict(model),
+        "rng": rng_meta(), **_model_meta(model),
         "plugin": plugin.to_dict() if plugin is not None else None,
         "extra": extra or {},
     }

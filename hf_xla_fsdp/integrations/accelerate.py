@@ -365,14 +365,23 @@ class XlaFsdpAccelerator(Accelerator):
                          state_dict: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any) -> None:
         """``save_pretrained`` of a sharded model: full weights gathered, written to a staging dir, then moved in."""
         from ..checkpoint.layout import merge_into
+        from .peft import is_peft_model, peft_writer
 
+        if state_dict is None and is_peft_model(inner):  # adapters only: the base is never read back
+            from ..checkpoint.consolidate import save_consolidated
+
+            save_consolidated(model, save_directory, self.xla_fsdp_plugin, is_main=is_main_process, step=self.step,
+                              barrier=lambda tag: self.wait_for_everyone(),
+                              write=peft_writer(model, self.xla_fsdp_plugin, progress=is_main_process))
+            return
         if state_dict is None:
             state_dict = self.get_state_dict(model)  # every process takes part
         elif is_main_process and not state_dict:
             raise ConfigError("save_pretrained got an empty state_dict on the main process; pass "
                               "state_dict=accelerator.get_state_dict(model) from every process")
         if is_main_process:
-            self._check_state_dict(inner, state_dict)
+            if not is_peft_model(inner):  # peft selects its own tensors from the full state dict
+                self._check_state_dict(inner, state_dict)
             save_directory = Path(save_directory)
             save_directory.parent.mkdir(parents=True, exist_ok=True)
             stage = save_directory.parent / f".{save_directory.name}.save-{uuid.uuid4().hex[:8]}"
@@ -417,7 +426,10 @@ class XlaFsdpAccelerator(Accelerator):
 
         if not safe_serialization:
             raise ConfigError("hf_xla_fsdp writes safetensors only; call save_model with safe_serialization=True")
+        from .peft import peft_writer
+
         save_consolidated(model, save_directory, self.xla_fsdp_plugin, is_main=self.is_main_process,
                           step=self.step if step is None else step, extra=extra,
                           barrier=lambda tag: self.wait_for_everyone(), dtype=dtype, max_shard_size=max_shard_size,
+                          write=peft_writer(model, self.xla_fsdp_plugin, self.is_main_process),
                           progress=self.is_main_process)

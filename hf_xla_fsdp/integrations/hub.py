@@ -154,6 +154,7 @@ def export(
     base_model: Optional[str] = None,
     datasets: Optional[list[str]] = None,
     token: Optional[str] = None,
+    merge_adapters: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Write a Hub-ready ``output`` (weights, config, tokenizer, README.md card) and push it if asked."""
@@ -162,6 +163,9 @@ def export(
     source, output = Path(source), Path(output)
     model_name = repo_id or output.name
     if _is_consolidated(source):
+        if merge_adapters:
+            raise ConfigError(f"{source} is already a consolidated model: --merge-adapters needs the sharded checkpoint "
+                              "of a PEFT model")
         stage = prepare_output(output, overwrite)
         try:
             for item in source.iterdir():
@@ -174,8 +178,11 @@ def export(
         check_output(output, overwrite)  # refuse before consolidating anything
         stage = output.parent / f".{output.name}.export"
         shutil.rmtree(stage, ignore_errors=True)
+        from .peft import merged_outputs
+
+        plan_transform = merged_outputs if merge_adapters else None
         consolidate(source, stage, ckpt_suffix=ckpt_suffix, config=config, dtype=dtype,
-                    max_shard_size=max_shard_size, progress=progress)
+                    max_shard_size=max_shard_size, progress=progress, plan_transform=plan_transform)
     try:
         card = render_card(stage, model_name=model_name, license=license, base_model=base_model,
                            datasets=datasets, load_path=repo_id or str(output))

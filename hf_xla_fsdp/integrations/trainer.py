@@ -328,9 +328,12 @@ class XlaFsdpTrainer(Trainer):
         if not is_wrapped(self.model):
             raise ConfigError("save_model needs the FSDP-wrapped model; build the trainer with a model or call train() first")
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
+        from .peft import peft_writer
+
         save_consolidated(self.model, output, self.xla_fsdp_plugin, is_main=self.args.should_save,
                           step=self.state.global_step, extra=self._training_record(),
                           barrier=lambda tag: self.accelerator.wait_for_everyone(), add_files=self._save_side_files,
+                          write=peft_writer(self.model, self.xla_fsdp_plugin, not self.args.disable_tqdm),
                           progress=not self.args.disable_tqdm)
         if self.args.should_save:
             (output / "training_args.json").write_text(self.args.to_json_string())
