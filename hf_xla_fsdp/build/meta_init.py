@@ -93,6 +93,9 @@ def resolve_source(source: Any) -> ModelSource:
     if not path.is_dir():
         raise ConfigError(f"{source!r} is neither a PretrainedConfig, a config.json file nor a local model directory")
     if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise ConfigError(f"{path} holds PEFT adapters, not a model: build the base model it names, then attach them "
+                              "(PeftModel.from_pretrained(base, adapter_dir))")
         raise ConfigError(f"{path} has no config.json; pass a model directory saved with save_pretrained")
     config = AutoConfig.from_pretrained(str(path))
     weights = safetensors_weight_map(path)
@@ -426,19 +429,25 @@ def build_model(
     model_cls: Any = None,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    wrap_root: bool = True,
 ) -> nn.Module:
     """Build ``source`` (config, config.json or local pretrained dir) wrapped with XLA FSDP.
 
     With ``plugin.meta_init`` (the default) each block is materialized, wrapped and sharded in
     turn; otherwise the model is built eagerly on the host and then wrapped (the reference path).
+    ``wrap_root=False`` stops before the outer unit (blocks sharded, the root's own tensors on the
+    host), for code that must see the model itself first (e.g. a Trainer subclass patching its
+    forward); :func:`hf_xla_fsdp.build.wrapping.wrap_root` finishes it.
     """
     from ..engines import engine_for
-    from .wrapping import replace_submodule, select_blocks, wrap_block, wrap_model, wrap_root
+    from . import wrapping
+    from .wrapping import replace_submodule, select_blocks, wrap_block, wrap_model
 
     src = resolve_source(source)
     engine_for(plugin).setup_runtime(plugin)
     if not plugin.meta_init:
-        return wrap_model(build_eager(src, model_cls=model_cls, dtype=dtype), plugin)
+        eager = build_eager(src, model_cls=model_cls, dtype=dtype)
+        return wrap_model(eager, plugin) if wrap_root else eager
 
     sk = build_skeleton(src, model_cls=model_cls, dtype=dtype)
     model = sk.model
@@ -459,7 +468,9 @@ def build_model(
         release_host_memory()
     filler.fill(_post_order(model, stop=done))
     filler.close()
-    root = wrap_root(model, plugin)
+    if not wrap_root:
+        return model
+    root = wrapping.wrap_root(model, plugin)
     sync()
     release_host_memory()
     return root

@@ -162,6 +162,9 @@ def export(
         raise ConfigError("--push needs --repo-id ORG/NAME")
     source, output = Path(source), Path(output)
     model_name = repo_id or output.name
+    if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
+        raise ConfigError(f"{source} holds PEFT adapters, not a model: export the sharded checkpoint with "
+                          "--merge-adapters, or push the adapter directory as it is")
     if _is_consolidated(source):
         if merge_adapters:
             raise ConfigError(f"{source} is already a consolidated model: --merge-adapters needs the sharded checkpoint "

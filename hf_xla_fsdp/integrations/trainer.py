@@ -19,6 +19,7 @@ extra keys ``meta_init``, ``sharding``, ``checkpoint_format``, ``consolidate_dty
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import json
@@ -81,20 +82,25 @@ def original_parameter_names(model: nn.Module) -> dict[str, str]:
     return engine_of(model).original_names(model)
 
 
-class XlaFsdpTrainer(Trainer):
-    """A ``transformers.Trainer`` for PyTorch/XLA FSDP with meta init, sharded checkpoints and streaming saves.
+class XlaFsdpTrainerMixin:
+    """XLA FSDP for a ``transformers.Trainer`` or any subclass of it (TRL's trainers included).
 
-    ``model`` may be an ``nn.Module`` (wrapped here), a model already built with
-    ``XlaFsdpPlugin.build``, or a ``PretrainedConfig`` / ``config.json`` path / local model
-    directory, which is built on meta block by block when the fsdp_config's ``meta_init`` is true
-    (the default). ``fsdp_plugin`` overrides the settings read from ``args.fsdp_config``.
+    Put it first in the bases (``class MyTrainer(XlaFsdpTrainerMixin, SFTTrainer)``) or use
+    :func:`xla_fsdp_trainer` (``xla_fsdp_trainer(SFTTrainer)``). ``model`` may be an ``nn.Module``,
+    a model already built with ``XlaFsdpPlugin.build``, or a ``PretrainedConfig`` / ``config.json``
+    path / local model directory, which is built on meta block by block when the fsdp_config's
+    ``meta_init`` is true (the default). The outer FSDP unit is added only after the subclass's own
+    ``__init__`` has finished, so whatever it does to the model (attach adapters, patch its forward,
+    as TRL's fused LM head does) happens inside the unit. ``fsdp_plugin`` overrides the settings read
+    from ``args.fsdp_config``.
     """
 
     def __init__(self, model: Union[nn.Module, PretrainedConfig, str, os.PathLike, None] = None,
                  args: Optional[TrainingArguments] = None, *trainer_args: Any,
                  fsdp_plugin: Optional[XlaFsdpPlugin] = None, **trainer_kwargs: Any) -> None:
         if args is None:
-            raise ConfigError("XlaFsdpTrainer needs TrainingArguments with --fsdp and --fsdp_config (\"xla\": true)")
+            raise ConfigError(f"{type(self).__name__} needs TrainingArguments with --fsdp and --fsdp_config "
+                              "(\"xla\": true)")
         self.xla_fsdp_plugin = fsdp_plugin or plugin_from_training_args(args)
         engine = engine_for(self.xla_fsdp_plugin)
         if not engine.runtime_ready(args.world_size):
@@ -107,13 +113,42 @@ class XlaFsdpTrainer(Trainer):
             # torch's fused AdamW has no XLA kernel; the same update unfused compiles into the step graph
             logger.warning("optim=%s has no XLA kernel; using adamw_torch", optim)
             args.optim = "adamw_torch"
-        if model is not None:
-            model = self._materialize(model, args)
+        asked = [name for name in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, name, False)]
+        if asked:
+            # torch.utils.checkpoint has no XLA device module; on XLA it is checkpoint_module around every block
+            logger.warning("%s=True: using XLA FSDP's activation_checkpointing (checkpoint_module around every block) "
+                           "instead", asked[0])
+            for name in asked:
+                setattr(args, name, False)
+            if not self.xla_fsdp_plugin.activation_checkpointing:
+                self.xla_fsdp_plugin = dataclasses.replace(self.xla_fsdp_plugin, activation_checkpointing=True)
+        if model is not None and trainer_kwargs.get("peft_config") is not None and not isinstance(model, nn.Module):
+            # the subclass attaches adapters itself (TRL's peft_config), which needs the plain model: built whole on
+            # the host here, sharded after its __init__; XlaFsdpPlugin.build(..., peft_config=...) avoids that
+            from ..build.meta_init import build_eager
+
+            logger.warning("peft_config with a model path: the base model is loaded whole on the host before sharding")
+            model = build_eager(model)
+        elif model is not None:
+            model = self._materialize(model, args, wrap_root=False)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if self.model is not None:
+            self.model = self.model_wrapped = self._finish_wrapping(self.model)
         self._inspect_inner_model()
         # the stock XLA FSDP paths (v1 wrap in _wrap_model, v2's own ("fsdp", "tensor") mesh and batch sharding)
         # stay off: our engine wraps the model and shards the batches in the dataloaders below
         self.is_fsdp_xla_v2_enabled = self.is_fsdp_xla_v1_enabled = False
+
+    def _finish_wrapping(self, model: nn.Module) -> nn.Module:
+        """The model with its outer unit: wrapped whole when nothing is yet, else only the root added."""
+        from ..build.wrapping import wrap_root
+        from ..engines import unit_classes
+
+        if not is_wrapped(model):
+            return self.xla_fsdp_plugin.wrap(model)
+        if not isinstance(model, unit_classes()):  # blocks sharded by a meta build, root left for after __init__
+            return wrap_root(model, self.xla_fsdp_plugin)
+        return model
 
     def _shard_inputs(self, loader: Any) -> Any:
         return engine_for(self.xla_fsdp_plugin).prepare_loader(loader, self.xla_fsdp_plugin)
@@ -148,20 +183,18 @@ class XlaFsdpTrainer(Trainer):
             self._signature_columns += list({"label", "label_ids", *self.label_names})
 
     # ----------------------------------------------------------------- the model
-    def _materialize(self, model: Any, args: TrainingArguments) -> nn.Module:
+    def _materialize(self, model: Any, args: TrainingArguments, wrap_root: bool = True) -> nn.Module:
         from transformers import set_seed
-
-        from ..build.meta_init import build_eager
 
         plugin = self.xla_fsdp_plugin
         if isinstance(model, nn.Module):
-            return model if is_wrapped(model) else plugin.wrap(model)
+            return model if is_wrapped(model) or not wrap_root else plugin.wrap(model)
         if not isinstance(model, (PretrainedConfig, str, os.PathLike)):
             raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json or a local model "
                               f"directory, not {type(model).__name__}")
         set_seed(args.seed)  # the same initial weights as building the model after set_seed in run_clm
-        # the root wrap turns the KV cache off under activation checkpointing (see wrapping.wrap_root)
-        return plugin.build(model, progress=args.should_log) if plugin.meta_init else plugin.wrap(build_eager(model))
+        # the root wrap turns the KV cache off under activation checkpointing (see the engines' wrap_root)
+        return plugin.build(model, progress=args.should_log, wrap_root=wrap_root)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init()``'s model (module, config or path), built and wrapped like ``model``."""
@@ -360,4 +393,20 @@ class XlaFsdpTrainer(Trainer):
         card.save(str(output / "README.md"))
 
 
-__all__ = ["XlaFsdpTrainer", "plugin_from_training_args", "original_parameter_names"]
+class XlaFsdpTrainer(XlaFsdpTrainerMixin, Trainer):
+    """A ``transformers.Trainer`` for PyTorch/XLA FSDP with meta init, sharded checkpoints and streaming saves
+    (see :class:`XlaFsdpTrainerMixin`)."""
+
+
+def xla_fsdp_trainer(trainer_cls: type) -> type:
+    """``trainer_cls`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with XLA FSDP."""
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise ConfigError(f"xla_fsdp_trainer needs a transformers.Trainer subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, XlaFsdpTrainerMixin):
+        return trainer_cls
+    return type(f"XlaFsdp{trainer_cls.__name__}", (XlaFsdpTrainerMixin, trainer_cls),
+                {"__module__": trainer_cls.__module__, "__doc__": f"{trainer_cls.__name__} with XLA FSDP."})
+
+
+__all__ = ["XlaFsdpTrainer", "XlaFsdpTrainerMixin", "original_parameter_names", "plugin_from_training_args",
+           "xla_fsdp_trainer"]

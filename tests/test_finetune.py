@@ -1,0 +1,185 @@
+"""Fine-tuning a pretrained model as TPU users do: LoRA (peft) on XLA FSDP, saved as peft saves it; TRL's SFTTrainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_xla_fsdp import ConfigError, XlaFsdpAccelerator, XlaFsdpPlugin
+from hf_xla_fsdp.cli import main as cli
+
+peft = pytest.importorskip("peft")
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = {
+    # tied input/output embeddings
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                               bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                               attn_pdrop=0.0)),
+    # grouped-query attention, untied head
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  tie_word_embeddings=False)),
+}
+TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+SAVE = {"gpt2": ["lm_head"], "llama": ["lm_head"]}
+
+
+def lora(family: str) -> "peft.LoraConfig":
+    return peft.LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS[family], modules_to_save=SAVE[family],
+                           fan_in_fan_out=family == "gpt2", init_lora_weights=False)  # B != 0: adapters matter at once
+
+
+def ids(n: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (2, 16), generator=gen) for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tuned(request, tmp_path_factory):
+    """A pretrained base saved to disk, LoRA attached, trained 3 steps with XlaFsdpAccelerator (v1), saved as adapters."""
+    family = request.param
+    root = tmp_path_factory.mktemp(f"lora-{family}")
+    torch.manual_seed(0)
+    FAMILIES[family]().save_pretrained(root / "base")
+    base = AutoModelForCausalLM.from_pretrained(root / "base")
+    model = peft.get_peft_model(base, lora(family))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for batch in ids():
+        batch = batch.to(accelerator.device)
+        accelerator.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.unwrap_model(model).save_pretrained(root / "adapters")
+    from hf_xla_fsdp.checkpoint import save_checkpoint
+
+    save_checkpoint(root / "ckpt", model, optimizer)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids(1)[0].to(accelerator.device)).logits.cpu()
+    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.optimizer.state.values() for v in s.values()
+                      if torch.is_tensor(v) and v.dim() > 0)
+    return {"family": family, "root": root, "logits": logits, "trainable": trainable, "state_bytes": state_bytes,
+            "model": model, "accelerator": accelerator}
+
+
+def test_only_trainable_parameters_have_optimizer_state(tuned):
+    # AdamW keeps exp_avg and exp_avg_sq for the adapters (and modules_to_save) only: 2 x trainable fp32 bytes, exactly
+    # for the trainable shards (FSDP pads each to a multiple of 128 elements), within 5 % of the unpadded count
+    shards = sum(p.numel() for p in tuned["model"].parameters() if p.requires_grad)
+    assert tuned["state_bytes"] == 2 * 4 * shards
+    assert 2 * 4 * tuned["trainable"] <= tuned["state_bytes"] <= 1.05 * 2 * 4 * tuned["trainable"]
+    frozen = [p for p in tuned["model"].parameters() if not p.requires_grad]
+    assert frozen and all(p.grad is None for p in frozen)
+
+
+def test_saved_adapters_are_peft_format_and_reproduce_the_logits(tuned):
+    root, family = tuned["root"], tuned["family"]
+    names = sorted(p.name for p in (root / "adapters").iterdir())
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(names)
+    # exactly the keys peft writes for the same adapters on one device
+    torch.manual_seed(0)
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base"), lora(family))
+    reference.save_pretrained(root / "reference")
+    with safe_open(root / "adapters" / "adapter_model.safetensors", "pt") as ours, \
+            safe_open(root / "reference" / "adapter_model.safetensors", "pt") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys())
+        for key in theirs.keys():
+            assert ours.get_slice(key).get_shape() == theirs.get_slice(key).get_shape(), key
+    reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "base"), root / "adapters")
+    with torch.no_grad():
+        got = reloaded.eval()(input_ids=ids(1)[0]).logits
+    torch.testing.assert_close(got, tuned["logits"], atol=1e-5, rtol=1e-5)  # fp32 both sides: reduction order only
+
+
+def test_base_weights_did_not_change(tuned):
+    root = tuned["root"]
+    trained = tuned["accelerator"].get_state_dict(tuned["model"])
+    base = AutoModelForCausalLM.from_pretrained(root / "base").state_dict()
+    for name, tensor in trained.items():
+        if ".base_layer." in name or ".original_module." in name:
+            key = name.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+            assert torch.equal(tensor, base[key]), name
+
+
+def test_sharded_checkpoint_consolidates_to_adapters_and_to_a_merged_model(tuned):
+    root = tuned["root"]
+    assert cli(["consolidate", str(root / "ckpt"), "-o", str(root / "from_ckpt"), "--quiet"]) == 0
+    with safe_open(root / "from_ckpt" / "adapter_model.safetensors", "pt") as a, \
+            safe_open(root / "adapters" / "adapter_model.safetensors", "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+    assert cli(["export", str(root / "ckpt"), "-o", str(root / "merged"), "--merge-adapters", "--quiet"]) == 0
+    merged, info = AutoModelForCausalLM.from_pretrained(root / "merged", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert (root / "merged" / "README.md").is_file()
+    with torch.no_grad():
+        got = merged.eval()(input_ids=ids(1)[0]).logits
+    torch.testing.assert_close(got, tuned["logits"], atol=1e-5, rtol=1e-5)
+
+
+def test_wrong_inputs_are_one_line_and_write_nothing(tuned, tmp_path, capsys):
+    root = tuned["root"]
+    plain = tmp_path / "plain_ckpt"
+    from hf_xla_fsdp.checkpoint import save_checkpoint
+
+    accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin())
+    save_checkpoint(plain, accelerator.prepare(FAMILIES["llama"]()))
+    cases = [
+        (["consolidate", str(plain), "-o", str(tmp_path / "o1"), "--merge-adapters"], "needs a checkpoint of a PEFT model"),
+        (["export", str(root / "adapters"), "-o", str(tmp_path / "o2")], "holds PEFT adapters, not a model"),
+        (["export", str(root / "base"), "-o", str(tmp_path / "o3"), "--merge-adapters"], "already a consolidated model"),
+    ]
+    for argv, needle in cases:
+        assert cli(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and len(err.splitlines()) == 1, err
+        assert not Path(argv[3]).exists()
+    with pytest.raises(ConfigError, match="holds PEFT adapters, not a model"):
+        XlaFsdpPlugin().build(root / "adapters")
+    base = AutoModelForCausalLM.from_pretrained(root / "base")
+    with pytest.raises(ValueError, match="not_a_module"):  # peft's own check, before any sharding
+        peft.get_peft_model(base, peft.LoraConfig(target_modules=["not_a_module"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_peft", [False, True])
+def test_sft_trainer_with_one_swapped_import(tmp_path, use_peft):
+    pytest.importorskip("trl")
+    pre = tmp_path / "pre"
+    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", USE_HF_XLA_FSDP="1")
+    made = subprocess.run([sys.executable, str(ROOT / "tests/user_scripts/make_pretrained.py"), str(pre)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "tests/user_scripts/sft.py"), "--model_name_or_path", str(pre / "llama"),
+           "--output_dir", str(out), "--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True}),
+           "--max_steps", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
+           "--logging_steps", "2", "--max_length", "64", "--pad_to_multiple_of", "64", "--save_strategy", "no",
+           "--seed", "3"] + (["--use_peft", "--learning_rate", "1e-2"] if use_peft else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["eval_loss"] < results["eval_loss_before"]
+    # the saved model (full or adapters) reloads and, evaluated by the stock SFTTrainer on the CPU, gives the
+    # trainer's eval loss (fp32 on both sides)
+    assert (out / "adapter_model.safetensors").is_file() == use_peft and (out / "model.safetensors").is_file() != use_peft
+    stock = dict(env)
+    stock.pop("USE_HF_XLA_FSDP")
+    check = subprocess.run(cmd[:2] + ["--model_name_or_path", str(pre / "llama"), "--output_dir", str(tmp_path / "eval"),
+                                      "--evaluate_saved", str(out), "--use_cpu", "--report_to", "none",
+                                      "--max_length", "64", "--pad_to_multiple_of", "64"],
+                           capture_output=True, text=True, env=stock, timeout=600)
+    assert check.returncode == 0, check.stderr[-3000:]
+    reloaded = json.loads(check.stdout.strip().splitlines()[-1])["eval_loss"]
+    assert abs(reloaded - results["eval_loss"]) < 1e-3, (reloaded, results)
