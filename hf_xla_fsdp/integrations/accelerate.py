@@ -103,6 +103,10 @@ logger = logging.getLogger(__name__)
 _OWN_SAVE = "_hf_xla_fsdp_save_pretrained"
 
 
+def _ties_kept(*args: Any, **kwargs: Any) -> None:
+    """``tie_weights`` of a sharded model: its ties are kept by FSDP already."""
+
+
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
@@ -182,6 +186,11 @@ class XlaFsdpAccelerator(Accelerator):
             for name, param in model.named_parameters(remove_duplicate=False):
                 originals.setdefault(name, id(param))
             model = self.xla_fsdp_plugin.wrap(model)
+            inner = unwrap(model)
+            if hasattr(inner, "tie_weights"):
+                # FSDP keeps a tied weight once, shared by both names; re-tying (as accelerate scripts do on XLA after
+                # prepare) would look for parameters FSDP has replaced by its shards
+                inner.tie_weights = _ties_kept
             params = dict(model.named_parameters())
             for name, members in engine_of(model).parameter_origins(model).items():
                 for member in members:

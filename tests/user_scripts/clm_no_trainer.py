@@ -33,7 +33,7 @@ import torch
 import transformers
 from accelerate import DistributedType
 from accelerate.logging import get_logger
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from datasets import load_dataset
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -53,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     """Command line of the official example (the subset that applies to local files)."""
     parser = argparse.ArgumentParser(description="Finetune a transformers model on a causal language modeling task")
     parser.add_argument("--train_file", type=str, default=None, help="A csv, txt or a json file containing the training data.")
-    parser.add_argument("--validation_file", type=str, default=None, help="A csv, txt or a json file containing the validation data.")
+    parser.add_argument("--validation_file", type=str, default=None,
+                        help="A csv, txt or a json file containing the validation data.")
     parser.add_argument("--validation_split_percentage", default=5, type=int,
                         help="The percentage of the train set used as validation set in case there's no validation split")
     parser.add_argument("--model_name_or_path", type=str, required=True,
@@ -135,6 +136,9 @@ def main() -> None:
     accelerator = Accelerator(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         project_config=ProjectConfiguration(project_dir=args.output_dir, automatic_checkpoint_naming=True, total_limit=2),
+        # shuffling seeded by (seed, epoch), not by the global RNG that load_state restores mid-epoch: a resumed
+        # run then skips into the very batch order the uninterrupted run had
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         **accelerator_log_kwargs,
     )
 
