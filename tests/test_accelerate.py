@@ -109,7 +109,8 @@ def test_resume_continues_the_same_loss_curve(trained, tmp_path):
         assert resumed[str(step)] == pytest.approx(full[str(step)], abs=1e-6), step
 
 
-@pytest.mark.parametrize("setting,needle", [({"fsdp_offload_params": True}, "unknown key 'fsdp_offload_params'"),
+@pytest.mark.parametrize("setting,needle", [({"fsdp_offload_params": True}, "fsdp_offload_params=true in fsdp_config"),
+                                            ({"fsdp_offload_parameters": True}, "unknown key 'fsdp_offload_parameters'"),
                                             ({"fsdp_sharding_strategy": "zero9"}, "sharding='zero9' is not valid")])
 def test_invalid_fsdp_config_fails_before_training(tmp_path, setting, needle):
     cfg = yaml.safe_load(YAML.read_text())
