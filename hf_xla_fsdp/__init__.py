@@ -9,15 +9,16 @@ from .plugin import XlaFsdpPlugin
 
 __version__ = "0.2.0"
 __all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", "XlaFsdpError", "XlaFsdpPlugin",
-           "XlaFsdpSFTTrainer", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "export", "xla_fsdp_trainer", "__version__"]
+           "XlaFsdpSFTTrainer", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd", "export", "xla_fsdp_trainer",
+           "__version__"]
 
 aliases.install()
 
 # the Trainer and the Accelerator pull in transformers / accelerate (and torch_xla); config-only
 # users and the CLI should not pay for them
-_LAZY = {"XlaFsdpTrainer": "integrations.trainer", "XlaFsdpTrainerMixin": "integrations.trainer",
-         "xla_fsdp_trainer": "integrations.trainer", "XlaFsdpAccelerator": "integrations.accelerate",
-         "XlaFsdpSFTTrainer": "integrations.trl"}
+_LAZY = {"enable_spmd": "engines.v2", "XlaFsdpTrainer": "integrations.trainer",
+         "XlaFsdpTrainerMixin": "integrations.trainer", "xla_fsdp_trainer": "integrations.trainer",
+         "XlaFsdpAccelerator": "integrations.accelerate", "XlaFsdpSFTTrainer": "integrations.trl"}
 
 
 def __getattr__(name: str) -> Any:

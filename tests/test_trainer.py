@@ -227,3 +227,43 @@ def test_sharded_plus_consolidated_checkpoints_load_and_resume(tmp_path, llama_c
     resumed.train(resume_from_checkpoint=str(ckpt))
     again = {e["step"]: e["loss"] for e in resumed.state.log_history if "loss" in e}
     assert again[3] == pytest.approx(first[3], abs=1e-6) and again[4] == pytest.approx(first[4], abs=1e-6)
+
+
+V2_STOCK = ROOT / "tests" / "user_scripts" / "stock_trainer.py"
+
+
+def run_stock_v2(out: Path, devices: int, **env_extra: str) -> subprocess.CompletedProcess:
+    cfg = out.parent / "v2.json"
+    cfg.write_text(json.dumps({"xla": True, "xla_fsdp_v2": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                               "xla_fsdp_grad_ckpt": True}))
+    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", CPU_NUM_DEVICES=str(devices), **env_extra)
+    cmd = [sys.executable, str(V2_STOCK), "--fsdp", "full_shard", "--fsdp_config", str(cfg), "--output_dir", str(out),
+           "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size", "8",
+           "--report_to", "none", "--disable_tqdm", "true"]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_v2_from_an_unmodified_stock_script_on_1_and_4_devices(tmp_path):
+    results = {}
+    for devices in (1, 4):  # one device used to segfault (a forced switch to SPMD after the device was taken)
+        out = tmp_path / f"d{devices}" / "out"
+        out.parent.mkdir()
+        res = run_stock_v2(out, devices)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        results[devices] = json.loads((out / "results.json").read_text())
+        assert results[devices]["spmd"] and results[devices]["devices"] == devices
+        assert results[devices]["world_size"] == 1  # one process drives every device
+        assert (out / "checkpoint-6" / "checkpoint_complete.json").is_file()
+    one, four = ([loss for _, loss in results[d]["losses"]] for d in (1, 4))
+    assert len(one) == 6 and one == pytest.approx(four, abs=1e-3)  # same training, split over 4 devices
+
+
+@pytest.mark.slow
+def test_v2_when_the_device_was_taken_before_the_import_is_one_line(tmp_path):
+    out = tmp_path / "late" / "out"
+    out.parent.mkdir()
+    res = run_stock_v2(out, 1, LATE_IMPORT="1")
+    assert res.returncode == 1, res.returncode  # a Python error, never a segfault (-11)
+    last = res.stderr.strip().splitlines()[-1]
+    assert "FSDP v2 needs SPMD before the XLA device is first used" in last and "hf_xla_fsdp.enable_spmd()" in last

@@ -33,17 +33,38 @@ BATCH_AXES = (REPLICA_AXIS, FSDP_AXIS)  # the batch is split over every device
 WRAPPER_PREFIX = "_orig_module."
 
 
-def enable_spmd() -> None:
-    """Switch this process to SPMD (idempotent); it must happen before any XLA tensor exists."""
+#: the one line a script needs when the XLA device was used before SPMD could start
+SPMD_TOO_LATE = ("FSDP v2 needs SPMD before the XLA device is first used, but {what} already used it: add "
+                 "`import hf_xla_fsdp; hf_xla_fsdp.enable_spmd()` at the top of the script, before TrainingArguments, "
+                 "Accelerator or any XLA tensor")
+
+
+def spmd_too_late() -> bool:
+    """True when this process used the XLA device in replica mode, so SPMD can no longer start cleanly.
+
+    ``torch_xla.device()`` (accelerate's ``PartialState``, built by ``TrainingArguments``), an XLA tensor
+    or ``xm.set_rng_state`` lock the runtime's SPMD setting. ``xr.use_spmd()`` would still force SPMD
+    then, but torch_xla 2.9 later crashes (SIGSEGV in ``PjRtComputationClient::ExecuteReplicated``,
+    pytorch/xla#9735), so it must not be called.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if xr.is_spmd():
+        return False
+    locked = getattr(torch_xla._XLAC, "_xla_get_spmd_config_is_locked", None)
+    return bool(locked is not None and locked())
+
+
+def enable_spmd(what: str = "this process") -> None:
+    """Switch this process to SPMD (idempotent); it must happen before the XLA device is first used."""
     import torch_xla.runtime as xr
 
     if xr.is_spmd():
         return
-    try:
-        xr.use_spmd()
-    except Exception as err:  # torch_xla refuses once replicated tensors exist
-        raise ConfigError(f"FSDP v2 needs SPMD mode before any XLA tensor is created ({err}); build the "
-                          "plugin / trainer / accelerator before touching the XLA device") from None
+    if spmd_too_late():  # never force it: a forced switch segfaults later instead of failing here
+        raise ConfigError(SPMD_TOO_LATE.format(what=what))
+    xr.use_spmd()
 
 
 def spmd_class() -> type:
@@ -212,7 +233,8 @@ class XlaFsdpV2(Engine):
     def runtime_ready(self, counted_processes: int) -> bool:
         from ..runtime import is_spmd
 
-        return is_spmd() or counted_processes <= 1
+        # SPMD on before accelerate counted processes (1), or not on yet and still possible to start cleanly
+        return counted_processes <= 1 if is_spmd() else not spmd_too_late()
 
     def unit_class(self) -> type:
         return spmd_class()

@@ -53,28 +53,103 @@ def plugin_from_training_args(args: TrainingArguments) -> XlaFsdpPlugin:
     return XlaFsdpPlugin.from_fsdp_config(fsdp_config)
 
 
-def enable_spmd_if_configured(argv: Optional[list[str]] = None) -> bool:
-    """Start SPMD when the command line's ``--fsdp_config`` asks for FSDP v2; returns whether it did.
+def fsdp_config_from_argv(argv: Optional[list[str]] = None) -> Any:
+    """The ``--fsdp_config`` value a ``HfArgumentParser`` script will read from ``argv`` (default ``sys.argv[1:]``).
 
-    Call it before ``TrainingArguments`` exist: building them starts accelerate's process state,
-    which under multi-device XLA would otherwise count one process per device and synchronize them.
+    A path or a parsed inline JSON object; also the ``fsdp_config`` of a lone ``args.json`` / ``.yaml`` file
+    (``parser.parse_json_file``). ``None`` when there is none.
     """
     import sys
 
-    argv = sys.argv[1:] if argv is None else argv
-    value = None
+    argv = sys.argv[1:] if argv is None else list(argv)
+    value: Any = None
     for i, arg in enumerate(argv):
         if arg in ("--fsdp_config", "--fsdp-config") and i + 1 < len(argv):
             value = argv[i + 1]
         elif arg.startswith(("--fsdp_config=", "--fsdp-config=")):
             value = arg.split("=", 1)[1]
-    if value is None:
+    if (value is None and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and os.path.isfile(argv[0])
+            and os.path.getsize(argv[0]) < 1 << 20):  # an arguments file, not a data set
+        with open(argv[0], encoding="utf-8") as f:
+            if argv[0].endswith(".json"):
+                data = json.load(f)
+            else:
+                import yaml
+
+                data = yaml.safe_load(f)
+        value = data.get("fsdp_config") if isinstance(data, dict) else None
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        value = json.loads(value)
+    return value or None
+
+
+def enable_spmd_if_configured(argv: Optional[list[str]] = None) -> bool:
+    """Start SPMD when the command line's ``--fsdp_config`` asks for FSDP v2; returns whether it did.
+
+    It runs by itself when this module is imported (``from hf_xla_fsdp import XlaFsdpTrainer``), which in a
+    script comes before ``TrainingArguments`` exist: building them starts accelerate's process state, which
+    uses the XLA device (and under multi-device XLA would count one process per device).
+    """
+    settings = fsdp_config_from_argv(argv)
+    if settings is None:
         return False
-    settings = json.loads(value) if value.lstrip().startswith("{") else value
     plugin = XlaFsdpPlugin.from_fsdp_config(settings)  # also reports a bad config before anything runs
     engine = engine_for(plugin)
-    engine.setup_runtime(plugin)
+    if engine.spmd:
+        engine.setup_runtime(plugin)
     return engine.spmd
+
+
+def _auto_spmd(fsdp_config: Any, what: str) -> None:
+    """Start SPMD when ``fsdp_config`` (dict, path or inline JSON) asks for FSDP v2.
+
+    A config that cannot be read is left for the trainer to report with the other arguments; SPMD that can no
+    longer start fails here, with the one line the script needs (never a forced switch, which segfaults later).
+    """
+    if os.environ.get("HF_XLA_FSDP_AUTO_SPMD", "1").strip().lower() in ("0", "false", "no") or not fsdp_config:
+        return
+    try:
+        if isinstance(fsdp_config, str) and fsdp_config.lstrip().startswith("{"):
+            fsdp_config = json.loads(fsdp_config)
+        engine = engine_for(XlaFsdpPlugin.from_fsdp_config(fsdp_config))
+    except Exception:  # noqa: BLE001 - not ours to judge here; XlaFsdpTrainer reports it with the other arguments
+        return
+    if engine.spmd:
+        from ..engines.v2 import enable_spmd
+
+        enable_spmd(what=what)
+
+
+def _enable_spmd_at_import() -> None:
+    """The user's ``from hf_xla_fsdp import XlaFsdpTrainer`` runs before ``parse_args``: a v2 ``--fsdp_config``
+    on the command line (or in a lone ``args.json``) starts SPMD now, before the script uses the XLA device."""
+    try:
+        settings = fsdp_config_from_argv()
+    except Exception:  # noqa: BLE001
+        return
+    _auto_spmd(settings, "code that ran before hf_xla_fsdp's trainer was imported")
+
+
+def _start_spmd_with_training_arguments() -> None:
+    """``TrainingArguments`` built after this import start SPMD themselves when their fsdp_config asks for v2.
+
+    Their ``_setup_devices`` (first read in ``__post_init__``) builds accelerate's ``PartialState``, which takes
+    the XLA device and counts processes; SPMD has to be on before that, whatever way the config arrived
+    (command line, JSON/YAML file, a dict in code, a ``TrainingArguments`` subclass such as TRL's configs).
+    """
+    original = TrainingArguments.__dict__.get("_setup_devices")
+    if not isinstance(original, functools.cached_property) or getattr(original.func, "_hf_xla_fsdp", False):
+        return  # another transformers layout: the argv hook and XlaFsdpTrainer's own check still apply
+
+    def _setup_devices(self: TrainingArguments) -> torch.device:
+        if getattr(self, "fsdp", None):
+            _auto_spmd(getattr(self, "fsdp_config", None), "code that ran before these TrainingArguments were built")
+        return original.func(self)
+
+    _setup_devices._hf_xla_fsdp = True  # type: ignore[attr-defined]
+    patched = functools.cached_property(_setup_devices)
+    patched.__set_name__(TrainingArguments, "_setup_devices")
+    TrainingArguments._setup_devices = patched
 
 
 def original_parameter_names(model: nn.Module) -> dict[str, str]:
@@ -104,9 +179,10 @@ class XlaFsdpTrainerMixin:
         self.xla_fsdp_plugin = fsdp_plugin or plugin_from_training_args(args)
         engine = engine_for(self.xla_fsdp_plugin)
         if not engine.runtime_ready(args.world_size):
-            raise ConfigError("FSDP v2 needs SPMD before TrainingArguments are built (they counted "
-                              f"{args.world_size} processes): call hf_xla_fsdp.engines.v2.enable_spmd() or "
-                              "hf_xla_fsdp.integrations.trainer.enable_spmd_if_configured() first")
+            from ..engines.v2 import SPMD_TOO_LATE
+
+            raise ConfigError(SPMD_TOO_LATE.format(what=f"TrainingArguments (accelerate's PartialState, "
+                                                        f"{args.world_size} process(es) counted)"))
         engine.setup_runtime(self.xla_fsdp_plugin)  # FSDP v2: one process drives every device, before any XLA tensor
         optim = str(getattr(args.optim, "value", args.optim))
         if optim in _FUSED_OPTIMIZERS:
@@ -408,5 +484,8 @@ def xla_fsdp_trainer(trainer_cls: type) -> type:
                 {"__module__": trainer_cls.__module__, "__doc__": f"{trainer_cls.__name__} with XLA FSDP."})
 
 
-__all__ = ["XlaFsdpTrainer", "XlaFsdpTrainerMixin", "original_parameter_names", "plugin_from_training_args",
-           "xla_fsdp_trainer"]
+_start_spmd_with_training_arguments()
+_enable_spmd_at_import()
+
+__all__ = ["XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd_if_configured", "fsdp_config_from_argv",
+           "original_parameter_names", "plugin_from_training_args", "xla_fsdp_trainer"]

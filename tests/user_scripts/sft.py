@@ -58,7 +58,8 @@ def main() -> None:
             model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ns.model_name_or_path), saved)
         else:
             model = AutoModelForCausalLM.from_pretrained(saved)
-        trainer = SFTTrainer(model=model, args=args, eval_dataset=evaluation, processing_class=tokenizer)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                             processing_class=tokenizer)
         print(json.dumps({"eval_loss": trainer.evaluate()["eval_loss"]}))
         return
     model = ns.model_name_or_path if ns.pass_path else AutoModelForCausalLM.from_pretrained(ns.model_name_or_path)
