@@ -6,7 +6,8 @@ save_pretrained(state_dict=...)), each in its own process, in the same run.
 
 Prints JSON: peak RSS and wall time of each path (the work alone, and the whole process with its
 imports), RSS above the bare `import torch` (the CUDA build of torch 2.9.0 maps ~0.5 GB of
-libraries before any work), and whether the outputs are identical.
+libraries before any work), and whether the outputs are identical. Peaks are each child's own VmHWM
+(see _harness.py: a child's ru_maxrss would include this parent's peak).
 Targets (issue 3): our peak <= 0.5 GB + model/8 and >= 5x below the reference; our time <= the reference's.
 Rank files are real torch_xla FSDP state, one process per rank (see XLA_ON_CPU.md), cached in --workdir.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -25,11 +25,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _harness import child_env, emit, mib, run_json_child, vm_hwm_bytes  # noqa: E402
 from meta_init import MODEL  # noqa: E402  (the same ~325M-parameter Llama)
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def make_rank(workdir: Path, rank: int, world: int) -> None:
@@ -64,7 +61,7 @@ def run_ours(source: Path, out: Path, config: Path | None) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         rc = main(args)
     assert rc == 0
-    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": peak_rss(),
+    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": vm_hwm_bytes(),
             "imported_torch_xla": "torch_xla" in sys.modules}
 
 
@@ -81,24 +78,25 @@ def run_reference(trainer_dir: Path, out: Path) -> dict:
     full_state_dict, _ = consolidate_sharded_model_checkpoints(
         ckpt_prefix=os.path.join(str(trainer_dir), ""), ckpt_suffix="rank*-of-*-pytorch_model.bin", save_model=False)
     model.save_pretrained(str(out), state_dict=full_state_dict, safe_serialization=True)
-    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": peak_rss()}
+    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": vm_hwm_bytes()}
 
 
 def baseline_rss(kind: str) -> tuple[int, int]:
     """Peak RSS after ``import torch`` alone, and after importing what the path imports, before any work."""
     import torch  # noqa: F401  (the CUDA build of torch 2.9.0 maps ~0.5 GB of libraries)
 
-    torch_only = peak_rss()
+    torch_only = vm_hwm_bytes()
     if kind == "ours":
         import hf_xla_fsdp.consolidate  # noqa: F401
         import transformers  # noqa: F401
     else:
         import torch_xla.distributed.fsdp  # noqa: F401
         import transformers  # noqa: F401
-    return torch_only, peak_rss()
+    return torch_only, vm_hwm_bytes()
 
 
 def child(args: argparse.Namespace) -> None:
+    """Make one rank's files, or run one consolidation path and print its JSON line."""
     work = Path(args.workdir)
     if args.child == "rank":
         return make_rank(work, args.rank, args.world_size)
@@ -111,7 +109,7 @@ def child(args: argparse.Namespace) -> None:
         result = run_reference(work / "trainer", work / "out_reference")
     result["baseline_rss"] = base
     result["torch_import_rss"] = torch_rss
-    print(json.dumps(result))
+    emit(result)
 
 
 def compare_outputs(a: Path, b: Path) -> bool:
@@ -137,6 +135,7 @@ def compare_outputs(a: Path, b: Path) -> bool:
 
 
 def main() -> None:
+    """As a child do one piece; as the parent make the rank files once, run the three paths, print the report."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="/tmp/hf_xla_fsdp_bench_consolidate")
     p.add_argument("--world-size", type=int, default=8)
@@ -146,14 +145,13 @@ def main() -> None:
     if args.child:
         return child(args)
     work = Path(args.workdir)
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    me = [sys.executable, __file__, "--workdir", str(work), "--world-size", str(args.world_size)]
+    me = [__file__, "--workdir", work, "--world-size", args.world_size]
     if not (work / "ours" / "checkpoint_complete.json").exists():
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         for rank in range(args.world_size):
-            subprocess.run(me + ["--child", "rank", "--rank", str(rank)], check=True, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run([sys.executable, *map(str, me), "--child", "rank", "--rank", str(rank)], check=True,
+                           env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         from hf_xla_fsdp.checkpoint import commit_checkpoint
 
         commit_checkpoint(work / "ours", args.world_size)
@@ -161,16 +159,10 @@ def main() -> None:
     for stale in ("out_reference", "out_ours", "out_ours_trainer"):
         shutil.rmtree(work / stale, ignore_errors=True)
     for kind in ("reference", "ours", "ours_trainer_files"):
-        child_env = dict(env, USE_TORCH_XLA="0") if kind.startswith("ours") else env
-        start = time.perf_counter()
-        res = subprocess.run(me + ["--child", kind], capture_output=True, text=True, env=child_env)
-        wall = round(time.perf_counter() - start, 2)
-        if res.returncode != 0:
-            raise SystemExit(f"{kind} failed:\n{res.stderr[-3000:]}")
-        results[kind] = json.loads(res.stdout.strip().splitlines()[-1])
-        results[kind]["process_seconds"] = wall
+        # ours must work without torch_xla; transformers would import it with any model class otherwise
+        env = {"USE_TORCH_XLA": "0"} if kind.startswith("ours") else None
+        results[kind] = run_json_child([*me, "--child", kind], name=kind, env=env)
     model_bytes = sum(f.stat().st_size for f in (work / "out_reference").glob("*.safetensors"))
-    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
     ours, ref = results["ours"], results["reference"]
     report = {
         "world_size": args.world_size, "model_mib": mib(model_bytes),

@@ -6,21 +6,21 @@ v1 on 1 device, v2 on 1 device and v2 on 4 devices (CPU_NUM_DEVICES=1 / 1 / 4).
 
 Per run: the loss of every step (read with ``.item()``, so steps are synchronous), per-step wall
 time and the steady step time (median after warm-up), XLA compilations after warm-up (target 0),
-parameter bytes per device and in total, and the sharding of a few parameters. Prints ONE JSON
-with the runs and a comparison: max |loss - v1 loss| (fp32, same init: expected ~1e-5 or less),
-per-device bytes of 4 devices / 1 device (expected ~0.25) and compilations after warm-up.
+parameter bytes per device and in total, the sharding of a few parameters and the process's peak RSS
+(its own VmHWM, see _harness.py). Prints ONE JSON with the runs and a comparison: max |loss - v1 loss|
+(fp32, same init: expected ~1e-5 or less), per-device bytes of 4 devices / 1 device (expected ~0.25),
+compilations after warm-up and the peak RSS of each run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
+
+from _harness import emit, mib, run_json_child, vm_hwm_bytes
 
 MODEL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
@@ -99,24 +99,17 @@ def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, 
         "step_seconds": [round(t, 4) for t in times],
         "per_device_param_bytes": per_device, "total_param_bytes": sum(per_device.values()),
         "logical_param_bytes": logical_bytes(model, version),
-        "param_specs": param_specs(model, version), "losses": losses,
+        "param_specs": param_specs(model, version), "peak_rss_mib": mib(vm_hwm_bytes()), "losses": losses,
     }
 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one engine in a fresh subprocess and return its JSON result."""
     version, devices = RUNS[name]
-    cmd = [sys.executable, __file__, "--child", str(version), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
-           "--model", json.dumps(MODEL)]
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-    start = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["process_seconds"] = round(time.perf_counter() - start, 1)
-    return result
+    cmd = [__file__, "--child", version, "--steps", args.steps, "--warmup", args.warmup, "--batch-size",
+           args.batch_size, "--seq-len", args.seq_len, "--lr", args.lr, "--model", json.dumps(MODEL)]
+    # the device count is fixed when the XLA runtime starts: one process per device count
+    return run_json_child(cmd, name=name, env={"CPU_NUM_DEVICES": str(devices)})
 
 
 def max_diff(a: list[float], b: list[float]) -> float:
@@ -138,14 +131,14 @@ def main() -> None:
     args = p.parse_args()
     MODEL.update(args.model)
     if args.child:
-        result = child(args.child, args.steps, args.warmup, args.batch_size, args.seq_len, args.lr)
-        print(json.dumps(result))
+        emit(child(args.child, args.steps, args.warmup, args.batch_size, args.seq_len, args.lr))
         return
     start = time.perf_counter()
     runs = {name: run(name, args) for name in args.runs}
     comparison: dict[str, Any] = {
         "compiles_after_warmup": {n: r["compiles_after_warmup"] for n, r in runs.items()},
         "steady_step_seconds": {n: r["steady_step_seconds"] for n, r in runs.items()},
+        "peak_rss_mib": {n: r["peak_rss_mib"] for n, r in runs.items()},
     }
     if "v1_1dev" in runs:
         ref = runs["v1_1dev"]["losses"]

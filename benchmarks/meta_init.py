@@ -5,17 +5,16 @@ against eager construction (whole model on the host, then wrapped), each in its 
 
 Prints JSON. Target (issue 2): meta peak <= model_bytes / N + 2 x largest block + baseline,
 where baseline is the RSS of a process that has imported everything and started the XLA runtime.
+Peaks are each child's own VmHWM (see _harness.py: a child's ru_maxrss includes this parent's peak).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
-import sys
 import time
+
+from _harness import emit, mib, run_json_child, vm_hwm_bytes
 
 # ~325M parameters (1.2 GB fp32): 24 decoder layers of 12.8M; embeddings + lm_head (the root unit)
 # are 1.3 blocks, the proportion of Llama-2-7B. --vocab-size 32000 makes the root 5 blocks.
@@ -24,12 +23,8 @@ MODEL = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidd
              tie_word_embeddings=False)
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def child(mode: str, world_size: int, rank: int, wrap_embeddings: bool) -> None:
+    """Build rank ``rank`` of ``world_size`` the ``mode`` way in this process; print its JSON line."""
     import torch
     import torch_xla
     from transformers import LlamaConfig
@@ -38,7 +33,7 @@ def child(mode: str, world_size: int, rank: int, wrap_embeddings: bool) -> None:
 
     torch_xla.device()
     torch.zeros(1, device=torch_xla.device()).cpu()  # start the runtime before measuring the baseline
-    baseline = peak_rss_bytes()
+    baseline = vm_hwm_bytes()
     classes = ["LlamaDecoderLayer"] + (["Embedding"] if wrap_embeddings else [])
     plugin = XlaFsdpPlugin(
         transformer_layer_cls_to_wrap=classes, meta_init=(mode == "meta"),
@@ -50,11 +45,12 @@ def child(mode: str, world_size: int, rank: int, wrap_embeddings: bool) -> None:
     torch_xla.sync()
     seconds = time.perf_counter() - start
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(json.dumps({"mode": mode, "baseline_rss": baseline, "peak_rss": peak_rss_bytes(),
-                      "build_seconds": round(seconds, 2), "rank_param_bytes": shard_bytes}))
+    emit({"mode": mode, "baseline_rss": baseline, "peak_rss": vm_hwm_bytes(), "build_seconds": round(seconds, 2),
+          "rank_param_bytes": shard_bytes})
 
 
 def main() -> None:
+    """As a child build one rank; as the parent run both builds and print the report."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--rank", type=int, default=0)
@@ -77,17 +73,13 @@ def main() -> None:
     largest_block = max(u["bytes"] for u in sizing["units"] if u["unit"] != "<root>")
     results = {}
     for mode in ("meta", "eager"):
-        cmd = [sys.executable, __file__, "--child", mode, "--world-size", str(args.world_size), "--rank", str(args.rank),
-               "--vocab-size", str(args.vocab_size)]
+        cmd = [__file__, "--child", mode, "--world-size", args.world_size, "--rank", args.rank,
+               "--vocab-size", args.vocab_size]
         cmd += ["--wrap-embeddings"] if args.wrap_embeddings else []
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
-        if out.returncode != 0:
-            raise SystemExit(f"{mode} build failed:\n{out.stderr[-3000:]}")
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        results[mode] = run_json_child(cmd, name=f"{mode} build")
     model_bytes = sizing["total_bytes"]
     baseline = results["meta"]["baseline_rss"]
     target = model_bytes / args.world_size + 2 * largest_block + baseline
-    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
     report = {
         "model_params": sizing["total_params"], "model_mib": mib(model_bytes), "world_size": args.world_size,
         "largest_block_mib": mib(largest_block), "root_unit_mib": mib(sizing["units"][-1]["bytes"]),

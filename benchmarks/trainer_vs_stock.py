@@ -30,7 +30,7 @@ meta block by block and wraps at construction); "stock" is ``set_seed``, ``from_
 ``StockTrainer(model)`` and the wrap ``train()`` would do: ``trainer._wrap_model(trainer.model)``
 (transformers' ``wrap_model_xla_fsdp``; with the STOCK_FIX it also creates the optimizer, whose AdamW
 state is lazy), then ``torch_xla.sync()``. Model: ``--construct-model`` (default the ~325M-parameter
-Llama of benchmarks/meta_init.py). Reports baseline/peak RSS (sampler, ru_maxrss, VmHWM), peak above
+Llama of benchmarks/meta_init.py). Reports baseline/peak RSS (sampler, VmHWM), peak above
 baseline, the RSS left when ready (also after gc + malloc_trim: freed memory glibc kept), seconds, the
 parameter bytes the rank holds (checked against model bytes / N) and the stock/ours ratio of peak RSS
 above baseline.
@@ -42,10 +42,7 @@ import argparse
 import ctypes
 import gc
 import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,10 +50,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _harness import MIB, emit, mib, run_json_child, vm_hwm_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 FSDP_CONFIG = ROOT / "examples" / "xla_fsdp_config.json"
-MIB = 2**20
 STOCK_FIX = ("transformers 5.23 never creates the optimizer on its XLA FSDP path (the wrapped model is not "
              "self.model, so _prepare_for_training calls accelerator.prepare(None) and create_scheduler fails on "
              "None.param_groups); StockTrainer._wrap_model sets self.model to the wrapped model and calls "
@@ -74,17 +72,9 @@ CONSTRUCT_MODELS = {
 }
 
 
-def peak_rss_mib() -> float:
-    """ru_maxrss of this process (Linux reports KiB): a check of the sampler's peaks."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-
-
 def hwm_rss_mib() -> float:
-    """VmHWM, this process's own peak RSS: unlike ru_maxrss, which Linux keeps across the parent's vfork +
-    execve (subprocess), so a child's ru_maxrss is never below the parent's peak RSS when it was spawned."""
-    with open("/proc/self/status", encoding="ascii") as fh:
-        kib = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
-    return round(kib / 1024, 1)
+    """VmHWM, this process's own peak RSS (not ru_maxrss, which includes the parent's: see _harness.py)."""
+    return mib(vm_hwm_bytes())
 
 
 def stock_trainer_class() -> type:
@@ -238,7 +228,7 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "construction_above_baseline_mib": round(peaks["construction"] - peaks["baseline"], 1),
         "save_peak_mib": peaks["save"], "save_above_start_mib": round(peaks["save"] - save_start_rss / MIB, 1),
         "save_s": round(save_s, 2),
-        "ru_maxrss_mib": peak_rss_mib(),  # checks the sampler
+        "vm_hwm_mib": hwm_rss_mib(),  # the kernel's exact peak: checks the sampler
         "warmup_s": round(sum(steps[:args.warmup]), 2), "step_times_s": [round(s, 3) for s in steps],
         "steady_step_s": round(statistics.median(steps[args.warmup:]), 3),
         "steady_step_cpu_s": round(statistics.median(cpu[args.warmup:]), 3),
@@ -268,7 +258,7 @@ def construct_child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     sampler = RssSampler()
     sampler.start()
     sampler.set_phase("baseline")  # imports done, runtime started: the floor of both processes
-    baseline_ru, baseline_hwm = peak_rss_mib(), hwm_rss_mib()
+    baseline_hwm = hwm_rss_mib()
     sampler.set_phase("setup")
     world = args.construct_world_size
     fsdp_config = json.loads(FSDP_CONFIG.read_text())
@@ -297,7 +287,7 @@ def construct_child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     sampler.set_phase("ready")
     ready_rss = sampler.proc.memory_info().rss / MIB
-    ru_maxrss, hwm = peak_rss_mib(), hwm_rss_mib()
+    hwm = hwm_rss_mib()
     params = list(model.parameters())
     peaks = {k: round(v / MIB, 1) for k, v in sampler.peaks.items()}
     made = {k: v for k, v in peaks.items() if k not in ("idle", "baseline", "setup", "ready")}
@@ -312,9 +302,7 @@ def construct_child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
         "ready_rss_mib": round(ready_rss, 1), "ready_above_baseline_mib": round(ready_rss - peaks["baseline"], 1),
         "ready_above_baseline_after_malloc_trim_mib": round(trimmed_rss - peaks["baseline"], 1),
         "seconds": round(seconds, 2),
-        # checks of the sampler's peak (ru_maxrss includes the parent's peak RSS at spawn; VmHWM does not)
-        "ru_maxrss_at_baseline_mib": baseline_ru, "ru_maxrss_mib": ru_maxrss,
-        "ru_maxrss_above_baseline_mib": round(ru_maxrss - peaks["baseline"], 1),
+        # a check of the sampler's peak
         "vm_hwm_at_baseline_mib": baseline_hwm, "vm_hwm_mib": hwm,
         "vm_hwm_above_baseline_mib": round(hwm - peaks["baseline"], 1),
         "rank_param_bytes": sum(t.numel() * t.element_size() for t in params),
@@ -339,11 +327,7 @@ def run_child(role: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run this script as a ``--child``/``--construct-child`` process and return its JSON."""
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k not in ("child", "construct_child") and not isinstance(v, bool)]
-    out = subprocess.run([sys.executable, __file__, f"--{role}", kind, *flags], check=False, capture_output=True,
-                         text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
-    if out.returncode != 0:
-        raise SystemExit(f"{role} {kind} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_json_child([__file__, f"--{role}", kind, *flags], name=f"{role} {kind}")
 
 
 def construction_section(args: argparse.Namespace, train_config: Any) -> dict[str, Any]:
@@ -413,10 +397,10 @@ def main() -> None:
     if args.skip_training and args.skip_construction:
         p.error("--skip-training and --skip-construction leave nothing to run")
     if args.child:
-        print(json.dumps(child(args.child, args)))
+        emit(child(args.child, args))
         return
     if args.construct_child:
-        print(json.dumps(construct_child(args.construct_child, args)))
+        emit(construct_child(args.construct_child, args))
         return
 
     import torch

@@ -16,8 +16,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from helpers import tiny_llama  # noqa: E402
 
-from conftest import tiny_llama  # noqa: E402
 from hf_xla_fsdp import XlaFsdpPlugin, spmd  # noqa: E402
 from hf_xla_fsdp.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from hf_xla_fsdp.train import arithmetic_lm_batches, train_step  # noqa: E402

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,21 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import ROOT, consolidate, run_python, tiny_llama
 
 from hf_xla_fsdp import ConfigError
 from hf_xla_fsdp.accelerate_glue import ENV_CONFIG, _config_from_cmdline, find_accelerate_config, plugin_from_accelerate_launch
 
-ROOT = Path(__file__).resolve().parents[1]
 YAML = ROOT / "examples" / "xla_fsdp.yaml"
 SCRIPT = ROOT / "examples" / "train_clm_accelerate.py"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 
 
 def launch(config: Path, out: Path, *args, timeout: int = 900, devices: int = 1) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", CPU_NUM_DEVICES=str(devices))
-    env.pop(ENV_CONFIG, None)
-    cmd = [str(ACCELERATE), "launch", "--config_file", str(config), str(SCRIPT), "--output_dir", str(out), *map(str, args)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    """``accelerate launch --config_file config`` of the example script; the YAML is found from the command line."""
+    return run_python([ACCELERATE, "launch", "--config_file", config, SCRIPT, "--output_dir", out, *args],
+                      devices=devices, env={ENV_CONFIG: None}, timeout=timeout)
 
 
 def load_script():
@@ -39,12 +37,14 @@ def load_script():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    # trains end to end in a subprocess: every test that uses it is marked slow
     out = tmp_path_factory.mktemp("acc") / "run"
     res = launch(YAML, out, "--max_train_steps", "30", "--checkpointing_steps", "10")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, res
 
 
+@pytest.mark.slow
 def test_end_to_end_and_from_pretrained_eval_loss(trained):
     out, res = trained
     results = json.loads((out / "results.json").read_text())
@@ -67,6 +67,7 @@ def test_end_to_end_and_from_pretrained_eval_loss(trained):
     assert loss < results["initial_eval_loss"] - 2.0
 
 
+@pytest.mark.slow
 def test_export_of_the_trained_model_carries_its_numbers(trained, tmp_path):
     from huggingface_hub import ModelCard
 
@@ -82,6 +83,7 @@ def test_export_of_the_trained_model_carries_its_numbers(trained, tmp_path):
     assert (tmp_path / "hub" / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_yaml_settings_reach_the_training_process(trained, tmp_path):
     out, _ = trained
     nested = json.loads((out / "fsdp_structure.json").read_text())
@@ -98,6 +100,7 @@ def test_yaml_settings_reach_the_training_process(trained, tmp_path):
     assert root_only["compute_dtype"] == "torch.float32"
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_loss_curve(trained, tmp_path):
     out, _ = trained
     full = json.loads((out / "results.json").read_text())["losses"]
@@ -139,8 +142,6 @@ def test_config_discovery(tmp_path, monkeypatch):
 
 
 def test_gradient_accumulation_clip_and_step_match_plain_fsdp():
-    from conftest import consolidate, tiny_llama
-
     from hf_xla_fsdp import XlaFsdpPlugin
     from hf_xla_fsdp.accelerate_glue import XlaFsdpAccelerator
     from hf_xla_fsdp.train import sync, xla_device
@@ -183,6 +184,7 @@ def test_gradient_accumulation_clip_and_step_match_plain_fsdp():
         accelerator.prepare(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
 
 
+@pytest.mark.slow
 def test_v2_spmd_on_four_devices(tmp_path):
     out = tmp_path / "v2"
     res = launch(ROOT / "examples" / "xla_fsdp_v2.yaml", out, "--max_train_steps", "20", "--checkpointing_steps", "10",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,14 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import consolidate as xla_consolidate
-from conftest import tiny_llama
-from ranks import build_ranks, fake_adam_state, save_ranks
+from helpers import ROOT, build_ranks, fake_adam_state, save_ranks, tiny_llama, xla_env
+from helpers import consolidate as xla_consolidate
 
 from hf_xla_fsdp.checkpoint import load_checkpoint, staging_dir
 from hf_xla_fsdp.rank_files import COMPLETE_MARKER, CheckpointError, open_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _consolidated_optimizer_state(models, optimizers, key):
@@ -89,10 +85,12 @@ def test_loading_into_a_different_model_is_refused(tmp_path):
 def _run_quickstart(out, *extra, timeout=600):
     cmd = [sys.executable, str(ROOT / "examples/quickstart.py"), "--output_dir", str(out), "--max_train_steps", "20",
            "--save_steps", "10", "--skip_consolidation", *map(str, extra)]
+    # Popen, not run_python: the test kills this run while it trains
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PJRT_DEVICE="CPU"))
+                            env=xla_env())
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_continues_the_same_loss_curve(tmp_path):
     full = _run_quickstart(tmp_path / "full")
     assert full.wait(600) == 0, full.stdout.read()
@@ -119,8 +117,7 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(tmp_path):
 CRASH_SAVER = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import tiny_llama
-from ranks import build_ranks, save_ranks
+from helpers import build_ranks, save_ranks, tiny_llama
 from pathlib import Path
 root, start = Path(sys.argv[1]), int(sys.argv[2])
 models = build_ranks(tiny_llama(hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=1024), 2)
@@ -132,6 +129,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_never_leaves_a_complete_looking_checkpoint(tmp_path):
     script = tmp_path / "saver.py"
     script.write_text(CRASH_SAVER.format(tests=str(Path(__file__).parent)))
@@ -142,7 +140,7 @@ def test_sigkill_during_save_never_leaves_a_complete_looking_checkpoint(tmp_path
     next_index = 0
     for _ in range(6):
         proc = subprocess.Popen([sys.executable, str(script), str(root), str(next_index)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PJRT_DEVICE="CPU"))
+                                stderr=subprocess.DEVNULL, text=True, env=xla_env())
         line = proc.stdout.readline()  # one save finished: now kill at a random moment of later saves
         assert line.startswith("saved"), line
         time.sleep(rnd.uniform(0.0, 0.6))

@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+from helpers import ROOT, run_python
+
 BIN = Path(sys.executable).parent
 
 
-def run(*cmd, cwd=ROOT, timeout=600):
-    env = dict(os.environ, PJRT_DEVICE="CPU")
-    return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_plan_reports_units_and_bytes_per_rank():
-    res = run(BIN / "hf-xla-fsdp", "plan", ROOT / "examples/configs/tiny_llama.json", "--world-size", "4",
-              "--fsdp-config", ROOT / "examples/xla_fsdp_config.json")
+    res = run_python([BIN / "hf-xla-fsdp", "plan", ROOT / "examples/configs/tiny_llama.json", "--world-size", "4",
+                      "--fsdp-config", ROOT / "examples/xla_fsdp_config.json"], timeout=600)
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["num_units"] == 5 and report["world_size"] == 4
@@ -31,17 +26,19 @@ def test_plan_reports_units_and_bytes_per_rank():
 def test_cli_bad_config_is_one_line_and_nonzero(tmp_path):
     bad = tmp_path / "fsdp.json"
     bad.write_text(json.dumps({"xla": True, "sharding": "zero9"}))
-    res = run(BIN / "hf-xla-fsdp", "plan", ROOT / "examples/configs/tiny_llama.json", "--fsdp-config", bad)
+    res = run_python([BIN / "hf-xla-fsdp", "plan", ROOT / "examples/configs/tiny_llama.json", "--fsdp-config", bad],
+                     timeout=600)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "sharding='zero9' is not valid" in lines[0]
-    res = run(BIN / "hf-xla-fsdp", "plan", tmp_path / "nowhere")
+    res = run_python([BIN / "hf-xla-fsdp", "plan", tmp_path / "nowhere"], timeout=600)
     assert res.returncode == 2 and "neither a PretrainedConfig" in res.stderr
 
 
+@pytest.mark.slow
 def test_quickstart_end_to_end(tmp_path):
-    res = run(sys.executable, "examples/quickstart.py", "--output_dir", tmp_path, "--max_train_steps", "60",
-              "--save_steps", "30")
+    res = run_python(["examples/quickstart.py", "--output_dir", tmp_path, "--max_train_steps", "60",
+                      "--save_steps", "30"], timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     results = json.loads((tmp_path / "quickstart_results.json").read_text())
     assert results["eval_loss_final"] < results["eval_loss_start"] - 0.5

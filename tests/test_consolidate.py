@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import consolidate as xla_consolidate
-from conftest import tiny_gpt2, tiny_llama
-from ranks import build_ranks, save_ranks, save_torch_xla_style, save_trainer_style
+from helpers import build_ranks, run_python, save_ranks, save_torch_xla_style, save_trainer_style, tiny_gpt2, tiny_llama
+from helpers import consolidate as xla_consolidate
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
@@ -89,9 +86,9 @@ def test_bf16_output(tmp_path):
 
 
 def test_trained_model_logits_reproduced(tmp_path):
+    from hf_xla_fsdp import XlaFsdpPlugin
     from hf_xla_fsdp.checkpoint import save_checkpoint
     from hf_xla_fsdp.train import arithmetic_lm_batches, to_device, train_step, xla_device
-    from hf_xla_fsdp import XlaFsdpPlugin
 
     config = tiny_llama()
     model = XlaFsdpPlugin(activation_checkpointing=True).build(config, progress=False)
@@ -147,6 +144,6 @@ def test_consolidation_cli_never_imports_torch_xla(tmp_path):
     code = ("import sys; from hf_xla_fsdp.cli import main; "
             f"rc = main(['consolidate', {str(tmp_path / 'ckpt')!r}, '-o', {str(tmp_path / 'out')!r}, '--quiet']); "
             "assert rc == 0; assert 'torch_xla' not in sys.modules, 'torch_xla was imported'; print('ok')")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    res = run_python(["-c", code], timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]
     assert (tmp_path / "out" / "model.safetensors").is_file()

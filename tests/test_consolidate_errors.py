@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
-from ranks import build_ranks, save_ranks, save_torch_xla_style
+from helpers import build_ranks, save_ranks, save_torch_xla_style, tiny_llama
 
 from hf_xla_fsdp.cli import main
 
@@ -155,6 +154,7 @@ def test_bad_dtype_and_shard_size(capsys, tmp_path, ckpt):
 
 
 def test_console_script_exit_code(tmp_path, ckpt):
+    # the installed entry point started as a shell starts it (its shebang), not through run_python
     exe = Path(sys.executable).parent / "hf-xla-fsdp"
     res = subprocess.run([str(exe), "consolidate", str(tmp_path / "nowhere"), "-o", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=300)

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+import pytest
+from helpers import ROOT, run_python
+
 EXAMPLES = ROOT / "examples"
 
 
-def run(*cmd, timeout=900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
+@pytest.mark.slow
 def test_digits_sharded_and_consolidated_accuracy(tmp_path):
     out = tmp_path / "results.json"
-    res = run(EXAMPLES / "digits_fsdp_with_ckpt.py", "--batch_size", "64", "--drop_last", "--num_epochs", "5",
-              "--use_nested_fsdp", "--use_gradient_checkpointing", "--test_set_batch_size", "120",
-              "--ckpt_prefix", tmp_path / "final_ckpt", "--output_json", out)
+    res = run_python([EXAMPLES / "digits_fsdp_with_ckpt.py", "--batch_size", "64", "--drop_last",
+                      "--num_epochs", "5", "--use_nested_fsdp", "--use_gradient_checkpointing",
+                      "--test_set_batch_size", "120", "--ckpt_prefix", tmp_path / "final_ckpt", "--output_json", out])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["plugin"]["sharding"] == "zero3" and results["plugin"]["activation_checkpointing"]
@@ -35,17 +28,18 @@ def test_digits_sharded_and_consolidated_accuracy(tmp_path):
     assert (tmp_path / "final_ckpt_consolidated" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_image_classification_few_steps_with_all_three_flags(tmp_path):
     folder = tmp_path / "digits"
-    res = run(EXAMPLES / "image_data.py", "--make_imagefolder", folder, "--image_size", "16")
+    res = run_python([EXAMPLES / "image_data.py", "--make_imagefolder", folder, "--image_size", "16"])
     assert res.returncode == 0, res.stderr
     assert len(list((folder / "train").iterdir())) == 10 and (folder / "validation" / "3").is_dir()
     out = tmp_path / "results.json"
-    res = run(EXAMPLES / "image_classification_fsdp.py", "--datadir", folder, "--model", "resnet-tiny",
-              "--image_size", "16", "--batch_size", "16", "--test_set_batch_size", "64", "--num_epochs", "1",
-              "--max_steps", "12", "--log_steps", "4", "--lr", "0.1", "--num_warmup_epochs", "0.05",
-              "--use_nested_fsdp", "--use_gradient_checkpointing", "--compute_dtype", "bfloat16",
-              "--ckpt_prefix", tmp_path / "ckpt", "--output_json", out)
+    res = run_python([EXAMPLES / "image_classification_fsdp.py", "--datadir", folder, "--model", "resnet-tiny",
+                      "--image_size", "16", "--batch_size", "16", "--test_set_batch_size", "64", "--num_epochs", "1",
+                      "--max_steps", "12", "--log_steps", "4", "--lr", "0.1", "--num_warmup_epochs", "0.05",
+                      "--use_nested_fsdp", "--use_gradient_checkpointing", "--compute_dtype", "bfloat16",
+                      "--ckpt_prefix", tmp_path / "ckpt", "--output_json", out])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
     plugin = results["plugin"]
@@ -57,12 +51,12 @@ def test_image_classification_few_steps_with_all_three_flags(tmp_path):
 
 
 def test_build_large_model_plan_and_small_build():
-    res = run(EXAMPLES / "build_large_model.py", "--preset", "vit-10b", "--world_size", "256")
+    res = run_python([EXAMPLES / "build_large_model.py", "--preset", "vit-10b", "--world_size", "256"])
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert 9.5e9 < plan["total_params"] < 1.0e10 and plan["num_units"] == 49
     assert plan["total_bytes"] / 256 <= plan["bytes_per_rank"] < plan["total_bytes"] / 256 * 1.01
-    res = run(EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--world_size", "4", "--build")
+    res = run_python([EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--world_size", "4", "--build"])
     assert res.returncode == 0, res.stderr
     built = json.loads(res.stdout[res.stdout.index("{"):])
     assert built["built_world_size"] == 4

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
+from helpers import ROOT, build_ranks, tiny_llama
 from huggingface_hub import ModelCard
 from huggingface_hub.repocard_data import model_index_to_eval_results
-from ranks import build_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_xla_fsdp import XlaFsdpPlugin
@@ -19,7 +18,6 @@ from hf_xla_fsdp.checkpoint import commit_checkpoint, write_rank_file
 from hf_xla_fsdp.cli import main
 from hf_xla_fsdp.consolidate import consolidate
 
-ROOT = Path(__file__).resolve().parents[1]
 LOSSES = {"1": 5.1, "2": 4.7, "3": 4.25}
 
 

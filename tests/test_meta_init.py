@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
-from conftest import consolidate, tiny_bert, tiny_gpt2, tiny_llama
+from helpers import consolidate, tiny_bert, tiny_gpt2, tiny_llama
 from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
-from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
-from hf_xla_fsdp import meta_init, wrapping
+from hf_xla_fsdp import ConfigError, XlaFsdpPlugin, meta_init, wrapping
 from hf_xla_fsdp.meta_init import build_eager
 from hf_xla_fsdp.wrapping import unwrap
 

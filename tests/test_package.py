@@ -350,3 +350,12 @@ def test_wheel_install_runs_export(tmp_path: Path) -> None:
     assert readme.is_file(), f"no {readme}; export wrote {sorted(p.name for p in out.iterdir())}"
     card = readme.read_text(encoding="utf-8")
     assert f"# {out.name}" in card and "Llama" in card, card[:2000]
+
+
+def test_ruff_is_clean() -> None:
+    """The line length and import order the code keeps (.ruff.toml), on the package, its tests and examples."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (it comes with the dev extra)")
+    res = subprocess.run([ruff, "check", "hf_xla_fsdp", "tests", "examples"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-3000:]

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
 
@@ -17,9 +15,8 @@ WORKER = Path(__file__).resolve().parent / "spmd_worker.py"
 
 
 def worker(mode: str, devices: int, *args: str, timeout: int = 600) -> dict:
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-    res = subprocess.run([sys.executable, str(WORKER), mode, *args], env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    """Run one spmd_worker.py scenario on ``devices`` XLA:CPU devices; its JSON report."""
+    res = run_python([WORKER, mode, *args], devices=devices, timeout=timeout)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -55,6 +52,7 @@ def test_hybrid_mesh_replicates_over_the_replica_axis():
         assert "last_tile_dim_replicate" in spec and tile_devices(spec) == 2, (name, spec)
 
 
+@pytest.mark.slow
 def test_losses_on_four_devices_equal_one_device():
     one = worker("train", 1)["losses"]
     four = worker("train", 4)["losses"]
@@ -67,6 +65,7 @@ def test_losses_on_four_devices_equal_one_device():
     assert max(abs(a - b) for a, b in zip(one, hybrid)) < 1e-4, (one, hybrid)
 
 
+@pytest.mark.slow
 def test_save_resume_consolidate_from_pretrained(tmp_path):
     report = worker("roundtrip", 4, "--out", str(tmp_path))
     assert report["step"] == 3 and report["state_specs_sharded"]

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, run_python
 
 from hf_xla_fsdp import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "run_clm.py"
 FSDP_JSON = ROOT / "examples" / "xla_fsdp_config.json"
 COMMON = ["--fsdp", "--fsdp_config", str(FSDP_JSON), "--max_steps", "20", "--save_steps", "10", "--logging_steps", "1",
@@ -23,10 +22,9 @@ COMMON = ["--fsdp", "--fsdp_config", str(FSDP_JSON), "--max_steps", "20", "--sav
 
 def run_clm(out: Path, *extra: str, timeout: int = 900, devices: int = 1, fsdp_json: Path = FSDP_JSON
             ) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", CPU_NUM_DEVICES=str(devices))
+    """``examples/run_clm.py`` with the COMMON arguments (``fsdp_json`` as its --fsdp_config) and ``extra``."""
     common = [str(fsdp_json) if c == str(FSDP_JSON) else c for c in COMMON]
-    cmd = [sys.executable, str(SCRIPT), *common, "--output_dir", str(out), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_python([SCRIPT, *common, "--output_dir", out, *extra], devices=devices, timeout=timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -36,12 +34,14 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    # trains end to end in a subprocess: every test that uses it is marked slow
     out = tmp_path_factory.mktemp("trainer") / "run"
     res = run_clm(out)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
 
 
+@pytest.mark.slow
 def test_checkpoints_are_sharded_and_pickle_free(trained):
     for step in (10, 20):
         ckpt = trained / f"checkpoint-{step}"
@@ -54,6 +54,7 @@ def test_checkpoints_are_sharded_and_pickle_free(trained):
     assert not [p for p in trained.iterdir() if p.name.startswith(".")]  # no staging leftovers
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_losses(trained, tmp_path):
     import shutil
 
@@ -77,6 +78,7 @@ def test_resume_reproduces_the_uninterrupted_losses(trained, tmp_path):
     assert eval_again == pytest.approx(eval_full, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_output_dir_loads_with_from_pretrained(trained):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,6 +105,7 @@ def test_output_dir_loads_with_from_pretrained(trained):
     assert card.data.model_name == "run" and f"{eval_loss:.4f}" in card.text
 
 
+@pytest.mark.slow
 def test_v2_spmd_on_four_devices_resumes_exactly(tmp_path):
     v2_json = ROOT / "examples" / "xla_fsdp_v2_config.json"
     first = tmp_path / "first"
@@ -236,11 +239,9 @@ def run_stock_v2(out: Path, devices: int, **env_extra: str) -> subprocess.Comple
     cfg = out.parent / "v2.json"
     cfg.write_text(json.dumps({"xla": True, "xla_fsdp_v2": True, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                "xla_fsdp_grad_ckpt": True}))
-    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", CPU_NUM_DEVICES=str(devices), **env_extra)
-    cmd = [sys.executable, str(V2_STOCK), "--fsdp", "full_shard", "--fsdp_config", str(cfg), "--output_dir", str(out),
-           "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size", "8",
-           "--report_to", "none", "--disable_tqdm", "true"]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return run_python([V2_STOCK, "--fsdp", "full_shard", "--fsdp_config", cfg, "--output_dir", out, "--max_steps", "6",
+                       "--save_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size", "8",
+                       "--report_to", "none", "--disable_tqdm", "true"], devices=devices, env=env_extra)
 
 
 @pytest.mark.slow

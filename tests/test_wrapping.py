@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import consolidate, tiny_bert, tiny_gpt2, tiny_llama
+from helpers import consolidate, tiny_bert, tiny_gpt2, tiny_llama
 from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
