@@ -183,3 +183,43 @@ def test_sft_trainer_with_one_swapped_import(tmp_path, use_peft):
     assert check.returncode == 0, check.stderr[-3000:]
     reloaded = json.loads(check.stdout.strip().splitlines()[-1])["eval_loss"]
     assert abs(reloaded - results["eval_loss"]) < 1e-3, (reloaded, results)
+
+
+V2_LORA = '''
+import sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, PeftModel, get_peft_model
+from hf_xla_fsdp import XlaFsdpAccelerator, XlaFsdpPlugin
+root = Path(sys.argv[1])
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)).save_pretrained(root / "base")
+model = get_peft_model(AutoModelForCausalLM.from_pretrained(root / "base"),
+                       LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(version=2))
+model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1)).to(accelerator.device)
+for _ in range(3):
+    accelerator.backward(model(input_ids=ids, labels=ids).loss); optimizer.step(); optimizer.zero_grad()
+state = sum(v.numel() for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+assert state == 2 * trainable, (state, trainable)
+accelerator.unwrap_model(model).save_pretrained(root / "adapters")
+reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "base"), root / "adapters").eval()
+model.eval()
+with torch.no_grad():
+    diff = (model(input_ids=ids).logits.cpu() - reloaded(input_ids=ids.cpu()).logits).abs().max().item()
+assert diff < 1e-5, diff
+print("ok", state, trainable, diff)
+'''
+
+
+@pytest.mark.slow
+def test_lora_on_fsdp_v2_over_four_devices(tmp_path):
+    from helpers import run_python
+
+    script = tmp_path / "v2_lora.py"
+    script.write_text(V2_LORA)
+    res = run_python([script, tmp_path], devices=4, timeout=900)
+    assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok"), res.stderr[-3000:]
