@@ -46,11 +46,6 @@ def is_peft_model(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model") and hasattr(model, "active_adapter")
 
 
-def base_model_of(model: nn.Module) -> nn.Module:
-    """The transformers model under the adapters (the model itself when it has none)."""
-    return model.get_base_model() if is_peft_model(model) else model
-
-
 # --------------------------------------------------------------------------- which tensors are the adapter's
 def _peft_config(peft: Any, saved: dict[str, Any]) -> Any:
     from peft import PeftConfig
