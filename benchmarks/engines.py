@@ -1,6 +1,7 @@
 """FSDP v1 (XlaFullyShardedDataParallel) against v2 (SpmdFullyShardedDataParallel) on the same
 Llama model, data, init (meta, seed 0), AdamW and global batch, each run in its own process:
-v1 on 1 device, v2 on 1 device and v2 on 4 devices (CPU_NUM_DEVICES=1 / 1 / 4).
+v1 on 1 device, v2 on 1 device, v2 on 4 devices in fp32 and in bf16 (compute_dtype: bf16 parameters,
+fp32 master copies in the optimizer) (CPU_NUM_DEVICES=1 / 1 / 4 / 4).
 
     python benchmarks/engines.py --steps 20 --warmup 5
 
@@ -9,7 +10,10 @@ time and the steady step time (median after warm-up), XLA compilations after war
 parameter bytes per device and in total, the sharding of a few parameters and the process's peak RSS
 (its own VmHWM, see _harness.py). Prints ONE JSON with the runs and a comparison: max |loss - v1 loss|
 (fp32, same init: expected ~1e-5 or less), per-device bytes of 4 devices / 1 device (expected ~0.25),
-compilations after warm-up and the peak RSS of each run.
+compilations after warm-up and the peak RSS of each run; and v2 bf16 against v2 fp32 on 4 devices:
+parameter + activation bytes per device (activations = what autograd saves for backward in one step,
+split over the devices with the batch; target ratio <= 0.6), optimizer + master bytes, step time and
+the loss curves (max |difference|).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from _harness import emit, mib, run_json_child, vm_hwm_bytes
 MODEL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
          "tie_word_embeddings": False}
-RUNS = {"v1_1dev": (1, 1), "v2_1dev": (2, 1), "v2_4dev": (2, 4)}  # name -> (version, CPU_NUM_DEVICES)
+# name -> (version, CPU_NUM_DEVICES, compute_dtype)
+RUNS = {"v1_1dev": (1, 1, None), "v2_1dev": (2, 1, None), "v2_4dev": (2, 4, None), "v2_4dev_bf16": (2, 4, "bfloat16")}
 SPEC_PARAMS = ("embed_tokens.weight", "self_attn.q_proj.weight", "lm_head.weight")
 
 
@@ -56,7 +61,27 @@ def logical_bytes(model: Any, version: int) -> int:
     return sum((p._orig_size.numel() if version == 1 else p.numel()) * p.element_size() for p in model.parameters())
 
 
-def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, lr: float) -> dict[str, Any]:
+def saved_activation_bytes(model: Any, batch: dict[str, Any]) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward (parameters excluded), whole batch."""
+    import torch
+
+    params = {id(p) for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in params:
+            seen[id(t)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**batch).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, lr: float,
+          compute_dtype: Any = None) -> dict[str, Any]:
     """Build, train and measure one engine in this process (CPU_NUM_DEVICES already set)."""
     import torch
     import torch_xla
@@ -66,7 +91,8 @@ def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, 
     from hf_xla_fsdp import XlaFsdpPlugin, spmd
     from hf_xla_fsdp.train import arithmetic_lm_batches, train_step
 
-    plugin = XlaFsdpPlugin(version=version, transformer_layer_cls_to_wrap=["LlamaDecoderLayer"])
+    plugin = XlaFsdpPlugin(version=version, transformer_layer_cls_to_wrap=["LlamaDecoderLayer"],
+                           compute_dtype=compute_dtype)
     torch.manual_seed(0)
     start = time.perf_counter()
     model = plugin.build(LlamaConfig(**MODEL), progress=False)
@@ -77,9 +103,15 @@ def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, 
         per_device = spmd.device_bytes(model)
     else:
         per_device = {str(torch_xla.device()): sum(p.numel() * p.element_size() for p in model.parameters())}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = plugin.prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=lr))
     data = arithmetic_lm_batches(MODEL["vocab_size"], seq_len, batch_size, seed=0)
     device = torch_xla.device()
+    devices = xr.global_runtime_device_count()
+    probe = {k: v.to(device) for k, v in next(arithmetic_lm_batches(MODEL["vocab_size"], seq_len, batch_size,
+                                                                      seed=99)).items()}
+    # every saved activation is split over the devices on the batch dimension (v2); v1 runs on one device here
+    activations = saved_activation_bytes(model, spmd.shard_batch(probe, mesh) if mesh is not None else probe)
+    activation_bytes_per_device = activations // devices if version == 2 else activations
     losses, times, compiles_at_warmup = [], [], None
     for step in range(steps):
         t0 = time.perf_counter()
@@ -91,7 +123,17 @@ def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, 
         if step + 1 == warmup:
             compiles_at_warmup = compile_count()
     compiles_end = compile_count()
+    from hf_xla_fsdp.engines.master_weights import master_weights
+
+    share = devices if version == 2 else 1  # v2 tensors are logical (split over the devices), v1's are the shard
+    optimizer_bytes = sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+                          if torch.is_tensor(v) and v.dim() > 0) // share
+    masters = master_weights(model)
+    master_bytes = sum(m.numel() * m.element_size() for _, m in (masters.pairs if masters else [])) // share
     return {
+        "compute_dtype": compute_dtype or "float32", "activation_bytes_per_device": activation_bytes_per_device,
+        "optimizer_state_bytes_per_device": optimizer_bytes, "master_copy_bytes_per_device": master_bytes,
+        "params_plus_activations_per_device": max(per_device.values()) + activation_bytes_per_device,
         "version": version, "devices": xr.global_runtime_device_count(), "build_seconds": round(build_seconds, 2),
         "compiles_at_warmup": compiles_at_warmup, "compiles_end": compiles_end,
         "compiles_after_warmup": None if compiles_at_warmup is None else compiles_end - compiles_at_warmup,
@@ -105,9 +147,11 @@ def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one engine in a fresh subprocess and return its JSON result."""
-    version, devices = RUNS[name]
+    version, devices, dtype = RUNS[name]
     cmd = [__file__, "--child", version, "--steps", args.steps, "--warmup", args.warmup, "--batch-size",
            args.batch_size, "--seq-len", args.seq_len, "--lr", args.lr, "--model", json.dumps(MODEL)]
+    if dtype:
+        cmd += ["--compute-dtype", dtype]
     # the device count is fixed when the XLA runtime starts: one process per device count
     return run_json_child(cmd, name=name, env={"CPU_NUM_DEVICES": str(devices)})
 
@@ -128,10 +172,11 @@ def main() -> None:
     p.add_argument("--model", type=json.loads, default={}, help="JSON overrides of the LlamaConfig fields")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     p.add_argument("--child", type=int, choices=[1, 2], help=argparse.SUPPRESS)
+    p.add_argument("--compute-dtype", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     MODEL.update(args.model)
     if args.child:
-        emit(child(args.child, args.steps, args.warmup, args.batch_size, args.seq_len, args.lr))
+        emit(child(args.child, args.steps, args.warmup, args.batch_size, args.seq_len, args.lr, args.compute_dtype))
         return
     start = time.perf_counter()
     runs = {name: run(name, args) for name in args.runs}
@@ -149,6 +194,22 @@ def main() -> None:
         comparison["per_device_bytes_ratio_4dev_vs_1dev"] = round(four / one, 4)
         comparison["max_abs_loss_diff_v2_4dev_vs_v2_1dev"] = max_diff(runs["v2_4dev"]["losses"],
                                                                       runs["v2_1dev"]["losses"])
+    if {"v2_4dev", "v2_4dev_bf16"} <= runs.keys():
+        fp32, bf16 = runs["v2_4dev"], runs["v2_4dev_bf16"]
+        comparison["v2_bf16_vs_fp32"] = {
+            # target <= 0.6: bf16 parameters + bf16 activations against fp32 ones, per device
+            "params_plus_activations_ratio": round(bf16["params_plus_activations_per_device"]
+                                                   / fp32["params_plus_activations_per_device"], 4),
+            "param_bytes_ratio": round(max(bf16["per_device_param_bytes"].values())
+                                       / max(fp32["per_device_param_bytes"].values()), 4),
+            "activation_bytes_ratio": round(bf16["activation_bytes_per_device"] / fp32["activation_bytes_per_device"], 4),
+            "optimizer_plus_master_bytes_ratio": round(
+                (bf16["optimizer_state_bytes_per_device"] + bf16["master_copy_bytes_per_device"])
+                / fp32["optimizer_state_bytes_per_device"], 4),
+            "steady_step_seconds": [fp32["steady_step_seconds"], bf16["steady_step_seconds"]],
+            "final_loss": [fp32["losses"][-1], bf16["losses"][-1]],
+            "max_abs_loss_diff": max_diff(bf16["losses"], fp32["losses"]),
+        }
     report = {"model": MODEL, "steps": args.steps, "warmup": args.warmup,
               "global_batch": [args.batch_size, args.seq_len], "lr": args.lr, "runs": runs, "comparison": comparison,
               "total_seconds": round(time.perf_counter() - start, 1)}

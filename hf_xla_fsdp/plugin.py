@@ -65,9 +65,11 @@ class XlaFsdpPlugin:
                                     "block by block (never whole in memory)")
     # XlaFullyShardedDataParallel options, passed on unchanged
     compute_dtype: Optional[Union[str, torch.dtype]] = setting(
-        None, "dtype of forward/backward compute (parameters stay fp32), e.g. 'bfloat16'", fsdp_kwarg=True, engines=_V1)
+        None, "dtype of forward/backward compute, e.g. 'bfloat16'. v1: shards stay fp32, gathered parameters are "
+              "cast; v2: parameters are stored in it and the optimizer updates fp32 master copies of the "
+              "trainable ones", fsdp_kwarg=True)
     buffer_dtype: Optional[Union[str, torch.dtype]] = setting(
-        None, "dtype of buffers during compute", fsdp_kwarg=True, engines=_V1)
+        None, "dtype of buffers during compute", fsdp_kwarg=True)
     fp32_reduce_scatter: bool = setting(False, "reduce-scatter gradients in fp32", fsdp_kwarg=True, engines=_V1)
     reshard_after_forward: bool = setting(True, "free gathered parameters after forward", fsdp_kwarg=True, engines=_V1)
     flatten_parameters: bool = setting(False, "flatten each unit's parameters into one tensor", fsdp_kwarg=True,
@@ -213,25 +215,32 @@ class XlaFsdpPlugin:
         if not isinstance(settings, Mapping):
             raise ConfigError(f"fsdp_config in {yaml_path} must be a mapping of settings")
         out = _normalize(settings, f"fsdp_config in {yaml_path}")
-        precision = str(data.get("mixed_precision") or "no").strip().lower()
+        precision = data.get("mixed_precision")
+        return cls(**out).with_mixed_precision(precision, f"mixed_precision={precision} in {yaml_path}")
+
+    def with_mixed_precision(self, precision: Any, source: str) -> "XlaFsdpPlugin":
+        """This plugin with accelerate's / the Trainer's mixed precision (``"no"``, ``"bf16"``, ``"fp16"``) applied.
+
+        On XLA FSDP mixed precision is the engine's ``compute_dtype``, never autocast (which breaks SDPA
+        attention on XLA); ``source`` names where the value came from in messages.
+        """
+        precision = str(getattr(precision, "value", precision) or "no").strip().lower()
         if precision not in ("no", "bf16", "fp16", "fp8"):
-            raise ConfigError(f"mixed_precision={precision!r} in {yaml_path} is not valid; allowed values: no, bf16, fp16")
+            raise ConfigError(f"{source} is not valid; allowed values: no, bf16, fp16")
         if precision == "fp8":
-            raise ConfigError(f"mixed_precision=fp8 in {yaml_path} cannot be honoured on XLA FSDP; use bf16 or no")
-        if precision != "no":  # accelerate's mixed precision is the FSDP compute dtype here (parameters stay fp32)
-            wanted = parse_dtype(precision, "mixed_precision")
-            given = parse_dtype(out.get("compute_dtype"), "compute_dtype")
-            if given is not None and given != wanted:
-                raise ConfigError(f"mixed_precision={precision} and compute_dtype={out['compute_dtype']} in {yaml_path} "
-                                  "disagree; keep one of them")
-            out["compute_dtype"] = wanted
+            raise ConfigError(f"{source}: fp8 cannot be honoured on XLA FSDP; use bf16 or no")
+        if precision == "no":
+            return self
+        wanted = parse_dtype(precision, "mixed_precision")
+        if self.compute_dtype == wanted:
+            return self
+        if self.compute_dtype is not None:
+            raise ConfigError(f"{source} and compute_dtype={str(self.compute_dtype).removeprefix('torch.')} "
+                              "disagree; keep one of them")
         try:
-            return cls(**out)
+            return dataclasses.replace(self, compute_dtype=wanted)
         except ConfigError as err:
-            if precision != "no" and "compute_dtype" in str(err):
-                raise ConfigError(f"mixed_precision={precision} in {yaml_path} asks for compute_dtype={precision}: "
-                                  f"{err}") from None
-            raise
+            raise ConfigError(f"{source} asks for compute_dtype={precision}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable settings (dtypes as strings); ``from_dict(to_dict())`` round-trips."""
@@ -264,6 +273,18 @@ class XlaFsdpPlugin:
         from .build.meta_init import build_model
 
         return build_model(config_or_pretrained_dir, self, **kwargs)
+
+    @staticmethod
+    def prepare_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Ready ``optimizer`` (built from the wrapped ``model``'s parameters) for the engine; returns it.
+
+        Needed only in a hand-written loop: accelerate's ``prepare`` and the Trainer call it. With FSDP v2
+        and ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters.
+        """
+        from .engines import engine_of
+
+        engine_of(model).prepare_optimizer(model, optimizer)
+        return optimizer
 
 
 def read_settings_file(path: Union[str, os.PathLike], kind: str, parse: Any, error: type, language: str) -> Any:

@@ -54,13 +54,15 @@ def logits(model: torch.nn.Module, ids: torch.Tensor, mesh) -> torch.Tensor:
 def main() -> None:
     """Run one scenario."""
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=["shard", "train", "roundtrip"])
+    p.add_argument("mode", choices=["shard", "train", "roundtrip", "precision"])
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--out", default=None)
+    p.add_argument("--dtype", default=None, help="compute_dtype (precision mode)")
     args = p.parse_args()
     import torch_xla.runtime as xr
 
-    plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, replica_size=args.replicas)
+    plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, replica_size=args.replicas,
+                           compute_dtype=args.dtype)
     import hf_xla_fsdp.wrapping as wrapping
 
     order, replace = [], wrapping.replace_submodule
@@ -76,13 +78,36 @@ def main() -> None:
     wrapping.replace_submodule = replace
     mesh = spmd.get_mesh(plugin)
     report: dict = {"devices": xr.global_runtime_device_count(), "mesh": list(mesh.mesh_shape), "build_order": order}
-    data = list(zip(range(8), arithmetic_lm_batches(128, 16, 8, seed=3)))
+    data = list(zip(range(12), arithmetic_lm_batches(128, 16, 8, seed=3)))
     batches = [b for _, b in data]
     if args.mode == "shard":
         report["specs"] = {spmd.clean_name(n): spmd.sharding_spec(p) for n, p in model.named_parameters()}
         report["device_bytes"] = spmd.device_bytes(model)
         report["total_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         report["units"] = sum(isinstance(m, spmd.spmd_class()) for m in model.modules())
+    elif args.mode == "precision":
+        from hf_xla_fsdp.engines.master_weights import master_weights
+
+        out = Path(args.out)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # a fine-tuning rate
+        report["losses"] = steps(model, optimizer, batches[:6], mesh)
+        save_checkpoint(out / "ckpt", model, optimizer, step=6, plugin=plugin)
+        report["losses"] += steps(model, optimizer, batches[6:12], mesh)
+        report["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+        report["specs"] = {spmd.clean_name(n): spmd.sharding_spec(p) for n, p in model.named_parameters()}
+        masters = master_weights(model)
+        if masters is not None:
+            names = {id(p): spmd.clean_name(n) for n, p in model.named_parameters()}
+            report["master_specs"] = {names[id(p)]: spmd.sharding_spec(m) for p, m in masters.pairs}
+        report["device_bytes"] = spmd.device_bytes(model)
+        report["optimizer_state_bytes"] = sum(v.numel() * v.element_size() for s in optimizer.state.values()
+                                              for k, v in s.items() if k != "step")
+        meta = json.loads(next((out / "ckpt").glob("rank-*.json")).read_text())
+        report["saved_dtypes"] = sorted({e["dtype"] for n, e in meta["tensors"].items() if n.startswith("model/")})
+        resumed = build(plugin, seed=1)  # different weights until the checkpoint is loaded
+        resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+        load_checkpoint(out / "ckpt", resumed, resumed_opt)
+        report["resumed"] = steps(resumed, resumed_opt, batches[6:12], mesh)
     elif args.mode == "train":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         report["losses"] = steps(model, optimizer, batches[:6], mesh)

@@ -20,7 +20,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -300,8 +300,10 @@ def _hidden(module: nn.Module, names: list[str]) -> Iterator[None]:
 class Materializer:
     """Fills the meta tensors of one part of a skeleton at a time."""
 
-    def __init__(self, skeleton: Skeleton) -> None:
+    def __init__(self, skeleton: Skeleton, key_of: Optional[Callable[[str], Optional[str]]] = None) -> None:
         self.sk = skeleton
+        # skeleton tensor name -> pretrained key (None: not stored there, e.g. a freshly added adapter)
+        self.key_of = key_of or (lambda name: name)
         self.names = {m: n for n, m in skeleton.model.named_modules(remove_duplicate=False)}
         self.owners = _owners(skeleton.model)
         seen: set[int] = set()
@@ -353,6 +355,7 @@ class Materializer:
         from transformers.initialization import guard_torch_init_functions
 
         weights = self.sk.source.weight_files
+        tied_sources = dict(getattr(self.sk.model, "all_tied_weights_keys", None) or {})
         with torch.no_grad():
             for module in modules:
                 prefix = self.names[module]
@@ -362,7 +365,11 @@ class Materializer:
                 tensors += [(n, t) for n, t in module._buffers.items()
                             if t is not None and n not in module._non_persistent_buffers_set]
                 for name, tensor in tensors:
-                    key = f"{prefix}{name}"
+                    key = self.key_of(f"{prefix}{name}")
+                    if key is None:
+                        continue
+                    # a separate copy of a tied weight (e.g. peft's modules_to_save of a tied lm_head) reads its source
+                    key = key if key in weights else tied_sources.get(key, key)
                     if key not in weights:
                         self.missing.append(key)
                         continue
@@ -430,6 +437,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     wrap_root: bool = True,
+    peft_config: Any = None,
 ) -> nn.Module:
     """Build ``source`` (config, config.json or local pretrained dir) wrapped with XLA FSDP.
 
@@ -438,6 +446,10 @@ def build_model(
     ``wrap_root=False`` stops before the outer unit (blocks sharded, the root's own tensors on the
     host), for code that must see the model itself first (e.g. a Trainer subclass patching its
     forward); :func:`hf_xla_fsdp.build.wrapping.wrap_root` finishes it.
+
+    ``peft_config`` (e.g. a ``peft.LoraConfig``) attaches adapters to the skeleton before anything is
+    materialized and returns the wrapped ``PeftModel``: the order is base on meta, adapters on meta,
+    then block by block: base tensors read (or initialized), adapters initialized, shard.
     """
     from ..engines import engine_for
     from . import wrapping
@@ -447,26 +459,44 @@ def build_model(
     engine_for(plugin).setup_runtime(plugin)
     if not plugin.meta_init:
         eager = build_eager(src, model_cls=model_cls, dtype=dtype)
+        if peft_config is not None:
+            from .adapters import require_peft
+
+            eager = require_peft().get_peft_model(eager, peft_config)
         return wrap_model(eager, plugin) if wrap_root else eager
 
     sk = build_skeleton(src, model_cls=model_cls, dtype=dtype)
-    model = sk.model
+    model, key_of, init_adapters = sk.model, None, None
+    if peft_config is not None:
+        from . import adapters
+
+        model = adapters.attach_adapters(sk.model, peft_config)  # injects into sk.model, all still on meta
+        key_of = adapters.checkpoint_key
+
+        def init_adapters(modules: list[nn.Module]) -> None:
+            adapters.init_adapters(adapters.adapter_layers(modules), model)
     names = select_blocks(model, plugin)
     blocks = [model.get_submodule(n) for n in names]
     done: set[nn.Module] = set()
-    filler = Materializer(sk)
+    filler = Materializer(sk, key_of)
     from tqdm.auto import tqdm
 
     nested = plugin.sharding == "zero3"
     for name, block in tqdm(list(zip(names, blocks)), desc="materialize+shard blocks", disable=not progress, unit="block"):
-        filler.fill(_post_order(block, stop=done))
+        modules = _post_order(block, stop=done)
+        filler.fill(modules)
+        if init_adapters is not None:
+            init_adapters(modules)
         wrapped = wrap_block(block, plugin, nested)
         replace_submodule(model, name, wrapped)
         done.add(wrapped)
         done.add(block)
         sync()  # run the sharding now, so the block's full tensors are freed before the next block
         release_host_memory()
-    filler.fill(_post_order(model, stop=done))
+    rest = _post_order(sk.model, stop=done)  # the base's own tree (peft's wrappers hold no tensors of their own)
+    filler.fill(rest)
+    if init_adapters is not None:
+        init_adapters(rest)
     filler.close()
     if not wrap_root:
         return model

@@ -15,9 +15,19 @@ from ..errors import CheckpointError
 from .layout import OPTIM_PREFIX
 
 
-def param_names(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Callable[[str], str]) -> list[list[str]]:
-    """The saved names of every optimizer group's parameters (``clean`` maps wrapped names to saved ones)."""
-    names = {id(p): clean(n) for n, p in model.named_parameters()}
+def param_names(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Callable[[str], str],
+                stand_ins: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> list[list[str]]:
+    """The saved names of every optimizer group's parameters (``clean`` maps wrapped names to saved ones).
+
+    ``stand_ins(param)`` is the tensor an optimizer may update in the parameter's place (its fp32
+    master copy), which is saved under the parameter's name.
+    """
+    names = {}
+    for n, p in model.named_parameters():
+        names[id(p)] = clean(n)
+        other = stand_ins(p) if stand_ins is not None else None
+        if other is not None:
+            names[id(other)] = clean(n)
     try:
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     except KeyError:
@@ -25,7 +35,8 @@ def param_names(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Calla
                               "create the optimizer after wrapping, from model.parameters()") from None
 
 
-def optimizer_meta(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Callable[[str], str]
+def optimizer_meta(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Callable[[str], str],
+                   stand_ins: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Optimizer groups, non-tensor state and parameter names, and its tensor state keyed ``optim/IDX/NAME``."""
     state = optimizer.state_dict()
@@ -38,16 +49,17 @@ def optimizer_meta(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Ca
             else:
                 scalars.setdefault(str(idx), {})[name] = value
     return ({"param_groups": state["param_groups"], "scalar_state": scalars,
-             "param_names": param_names(model, optimizer, clean)}, tensors)
+             "param_names": param_names(model, optimizer, clean, stand_ins)}, tensors)
 
 
 def saved_optimizer(meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
-                    clean: Callable[[str], str]) -> dict[str, Any]:
+                    clean: Callable[[str], str],
+                    stand_ins: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> dict[str, Any]:
     """The saved optimizer metadata, once it matches ``optimizer``'s parameters and groups."""
     saved = meta.get("optimizer")
     if not saved:
         raise CheckpointError("the checkpoint has no optimizer state; load it without an optimizer")
-    if saved["param_names"] != param_names(model, optimizer, clean):
+    if saved["param_names"] != param_names(model, optimizer, clean, stand_ins):
         raise CheckpointError("the optimizer's parameters (or their groups) differ from the checkpoint's")
     return saved
 

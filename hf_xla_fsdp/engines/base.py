@@ -93,6 +93,9 @@ class Engine:
         return checkpoint_module(block)
 
     # ----------------------------------------------------------------- training
+    def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Adjust an optimizer built from the wrapped model's parameters (e.g. to update fp32 master copies)."""
+
     def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
         """An XLA device loader adjusted for this engine (e.g. inputs split over every device)."""
         return loader
@@ -100,8 +103,11 @@ class Engine:
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the model's gradients to ``max_norm`` over every shard of every rank; returns the total norm."""
         params = [p for p in model.parameters() if p.grad is not None]
-        total = self.reduce_norm(model, torch.nn.utils.get_total_norm([p.grad for p in params], float(norm_type)),
-                                 float(norm_type))
+        # in fp32 whatever the gradients' dtype: a bf16 sum of squares loses the small contributions
+        local = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad, float(norm_type), dtype=torch.float32) for p in params]),
+            float(norm_type)) if params else torch.zeros(())
+        total = self.reduce_norm(model, local, float(norm_type))
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 

@@ -23,6 +23,7 @@ from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_t
 from ..errors import CheckpointError, ConfigError
 from ..runtime import device_count, process_count, process_index, wait_device_ops
 from .base import Engine, RankState, Restored
+from .master_weights import attach, cast_parameters, master_weights
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -195,14 +196,25 @@ def fetch_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Saved name -> tensor of the model's state; a tied weight appears once, under its first name (as v1 does)."""
+    """Saved name -> tensor of the model's state; a tied weight appears once, under its first name (as v1 does).
+
+    A low-precision parameter with an fp32 master copy is saved as that copy (exact resume).
+    """
+    masters = master_weights(model)
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in seen:
             seen.add(id(t))
-            out[MODEL_PREFIX + clean_name(name)] = t
+            master = masters.master(t) if masters is not None else None
+            out[MODEL_PREFIX + clean_name(name)] = t if master is None else master
     return out
+
+
+def _stand_ins(model: nn.Module) -> Any:
+    """What optimizers update in a parameter's place (its fp32 copy), for optimizer metadata."""
+    masters = master_weights(model)
+    return masters.master if masters is not None else None
 
 
 class XlaFsdpV2(Engine):
@@ -215,10 +227,11 @@ class XlaFsdpV2(Engine):
     spmd = True
 
     def check_settings(self, plugin: "XlaFsdpPlugin") -> None:
-        if plugin.compute_dtype is not None or plugin.buffer_dtype is not None:
-            raise ConfigError("compute_dtype/buffer_dtype are not available with version=2: SpmdFullyShardedDataParallel "
-                              "has no mixed precision and XLA autocast fails in SDPA attention on torch_xla 2.9; "
-                              "remove them (parameters and compute stay fp32) or use version=1")
+        for key in ("compute_dtype", "buffer_dtype"):
+            dtype = getattr(plugin, key)
+            if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+                raise ConfigError(f"{key}={str(dtype).replace('torch.', '')} is not available with version=2: "
+                                  "FSDP v2 has no loss scaling for float16; use bfloat16 or float32")
 
     def check_launch(self, distributed_type: str, source: str) -> None:
         if distributed_type != "NO":
@@ -253,7 +266,21 @@ class XlaFsdpV2(Engine):
         model.to(xla_device())
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-        return spmd_class()(model, mesh=get_mesh(plugin), shard_output=shard_output)
+        wrapped = spmd_class()(model, mesh=get_mesh(plugin), shard_output=shard_output)
+        if plugin.compute_dtype not in (None, torch.float32):
+            cast_parameters(wrapped, plugin.compute_dtype)
+            # SDPA's math path (the one XLA runs) would otherwise upcast q/k/v and its attention matrix
+            # to fp32; with it, attention computes in bf16 as transformers' eager attention does
+            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+        if plugin.buffer_dtype not in (None, torch.float32):
+            with torch.no_grad():
+                for buf in wrapped.buffers():
+                    if buf.is_floating_point():
+                        buf.data = buf.data.to(plugin.buffer_dtype)
+        return wrapped
+
+    def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        attach(model, optimizer)
 
     def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
         return shard_loader_inputs(loader, get_mesh(plugin))
@@ -274,7 +301,11 @@ class XlaFsdpV2(Engine):
         named = {name: t.detach() for name, t in _unique_state(model).items()}
         optim = None
         if optimizer is not None:
-            optim, optim_tensors = optimizer_meta(model, optimizer, self.checkpoint_name)
+            masters = master_weights(model)
+            if masters is not None and masters.pairs and not masters.attached(optimizer):
+                raise CheckpointError("the optimizer updates the low-precision parameters instead of their fp32 copies: "
+                                      "prepare it with accelerate's prepare or plugin.prepare_optimizer(model, optimizer)")
+            optim, optim_tensors = optimizer_meta(model, optimizer, self.checkpoint_name, _stand_ins(model))
             named.update(optim_tensors)
         entries: dict[str, dict[str, Any]] = {}
         specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
@@ -319,6 +350,8 @@ class XlaFsdpV2(Engine):
                 if tuple(full.shape) != tuple(t.shape):
                     raise CheckpointError(f"{name} is {list(full.shape)} in {ckpt_dir} but {list(t.shape)} in the model")
                 t.copy_(full)  # keeps the tensor's sharding: each device receives its slice
+        if master_weights(model) is not None:
+            master_weights(model).sync_params()
         meta = files[0].meta
         if optimizer is not None:
             self._restore_optimizer(optimizer, model, meta, entries)
@@ -330,7 +363,8 @@ class XlaFsdpV2(Engine):
                            entries: dict[str, dict[str, Any]]) -> None:
         import torch_xla
 
-        saved = saved_optimizer(meta, model, optimizer, self.checkpoint_name)
+        attach(model, optimizer)
+        saved = saved_optimizer(meta, model, optimizer, self.checkpoint_name, _stand_ins(model))
         state: dict[int, dict[str, Any]] = {}
         for name, entry in entries.items():
             key = optimizer_tensor_key(name)

@@ -155,6 +155,14 @@ class XlaFsdpAccelerator(Accelerator):
     def __init__(self, *args: Any, fsdp_plugin: Optional[XlaFsdpPlugin] = None, **kwargs: Any) -> None:
         # settings first: a bad fsdp_config must fail before anything else starts
         plugin = fsdp_plugin or plugin_from_accelerate_launch()
+        # mixed precision is the engine's compute dtype; accelerate's autocast stays off (it breaks SDPA on XLA)
+        precision = kwargs.get("mixed_precision")
+        source = f"Accelerator(mixed_precision={precision!r})"
+        if precision is None:
+            precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
+            source = f"ACCELERATE_MIXED_PRECISION={precision}"
+        plugin = plugin.with_mixed_precision(precision, source)
+        kwargs["mixed_precision"] = "no"
         # before accelerate's state looks at the devices (FSDP v2: one process drives every device)
         engine_for(plugin).setup_runtime(plugin)
         super().__init__(*args, **kwargs)
@@ -171,6 +179,9 @@ class XlaFsdpAccelerator(Accelerator):
         result = super().prepare(*args, device_placement=device_placement)
         if self._models:
             self._check_optimizers()
+            for model in self._models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
+                for optimizer in self._optimizers:
+                    self.xla_fsdp_plugin.prepare_optimizer(model, optimizer.optimizer)
         return result
 
     def _get_named_parameters(self, *args: Any, drop_refs: bool = False) -> dict[str, Any]:
@@ -203,7 +214,13 @@ class XlaFsdpAccelerator(Accelerator):
         return model
 
     def _sharded_ids(self) -> set[int]:
-        return {id(p) for m in self._models for p in m.parameters()}
+        from ..engines.master_weights import master_weights
+
+        ids = {id(p) for m in self._models for p in m.parameters()}
+        for m in self._models:  # what a prepared optimizer updates in a low-precision parameter's place
+            masters = master_weights(m)
+            ids |= {id(master) for _, master in (masters.pairs if masters is not None else [])}
+        return ids
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
         """accelerate's optimizer wrapper around ``optimizer``, re-pointed at the sharded parameters where known."""

@@ -23,22 +23,15 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
+from ..build.adapters import require_peft
 from ..errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from ..checkpoint.readers import RankSet
 
 PEFT_PREFIX = "base_model.model."
-EXTRA = "hf_xla_fsdp[finetune]"
 
 
-def require_peft() -> Any:
-    """The ``peft`` module, or one line saying which extra to install."""
-    try:
-        import peft
-    except ImportError:
-        raise ConfigError(f"this needs peft, which is not installed: pip install '{EXTRA}'") from None
-    return peft
 
 
 def is_peft_model(model: Any) -> bool:

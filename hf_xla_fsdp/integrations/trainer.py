@@ -177,6 +177,9 @@ class XlaFsdpTrainerMixin:
             raise ConfigError(f"{type(self).__name__} needs TrainingArguments with --fsdp and --fsdp_config "
                               "(\"xla\": true)")
         self.xla_fsdp_plugin = fsdp_plugin or plugin_from_training_args(args)
+        if args.bf16 or args.fp16:  # the engine's compute dtype (before any block is wrapped), never autocast
+            flag = "bf16" if args.bf16 else "fp16"
+            self.xla_fsdp_plugin = self.xla_fsdp_plugin.with_mixed_precision(flag, f"TrainingArguments({flag}=True)")
         engine = engine_for(self.xla_fsdp_plugin)
         if not engine.runtime_ready(args.world_size):
             from ..engines.v2 import SPMD_TOO_LATE
@@ -199,12 +202,14 @@ class XlaFsdpTrainerMixin:
             if not self.xla_fsdp_plugin.activation_checkpointing:
                 self.xla_fsdp_plugin = dataclasses.replace(self.xla_fsdp_plugin, activation_checkpointing=True)
         if model is not None and trainer_kwargs.get("peft_config") is not None and not isinstance(model, nn.Module):
-            # the subclass attaches adapters itself (TRL's peft_config), which needs the plain model: built whole on
-            # the host here, sharded after its __init__; XlaFsdpPlugin.build(..., peft_config=...) avoids that
-            from ..build.meta_init import build_eager
+            # TRL's peft_config with a model path: adapters attached on meta, the base read block by block (never
+            # whole on the host); the subclass then receives a PeftModel and attaches nothing itself
+            from transformers import set_seed
 
-            logger.warning("peft_config with a model path: the base model is loaded whole on the host before sharding")
-            model = build_eager(model)
+            set_seed(args.seed)
+            model = self.xla_fsdp_plugin.build(model, progress=args.should_log, wrap_root=False,
+                                               peft_config=trainer_kwargs.pop("peft_config"))
+            trainer_kwargs["peft_config"] = None
         elif model is not None:
             model = self._materialize(model, args, wrap_root=False)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
@@ -284,6 +289,8 @@ class XlaFsdpTrainerMixin:
     # ----------------------------------------------------------------- accelerator and optimizer
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         self._accelerator_kwargs = super()._build_accelerator_args(**kwargs)
+        # bf16/fp16 became the plugin's compute_dtype in __init__; accelerate's autocast would break SDPA on XLA
+        self._accelerator_kwargs["mixed_precision"] = "no"
         return self._accelerator_kwargs
 
     def create_accelerator_and_postprocess(self) -> None:

@@ -22,6 +22,7 @@ if os.environ.get("LATE_IMPORT") != "1":
 class DataArguments:
     block_size: int = field(default=32)
     num_samples: int = field(default=64)
+    lora: bool = field(default=False, metadata={"help": "train LoRA adapters (peft) on q_proj/v_proj"})
 
 
 def main():
@@ -41,6 +42,10 @@ def main():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config)
+    if data_args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 256, (data_args.num_samples, data_args.block_size), generator=g)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
@@ -48,7 +53,7 @@ def main():
         with training_args.main_process_first(desc="dataset map"):
             ds = ds.map(lambda b: b, batched=True)
     trainer = Trainer(model=model, args=training_args, train_dataset=ds, data_collator=default_data_collator)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     losses = [(e["step"], round(e["loss"], 4)) for e in trainer.state.log_history if "loss" in e]
     print(f"[stock] losses={losses}", flush=True)
     trainer.save_model()
