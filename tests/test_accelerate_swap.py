@@ -196,3 +196,16 @@ def test_save_state_automatic_naming_rotation_registered_objects_and_latest(tmp_
     assert train(again, model2, optimizer2, steps[3:]) == expected
     meta = json.loads((latest / "rank-00000-of-00001.json").read_text())
     assert meta["optimizer"]["param_groups"][0]["weight_decay"] == 0.1
+
+
+def test_mixed_precision_becomes_the_compute_dtype_never_autocast(monkeypatch):
+    accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(), mixed_precision="bf16")
+    assert accelerator.xla_fsdp_plugin.compute_dtype is torch.bfloat16
+    assert not accelerator.native_amp  # accelerate's autocast would break SDPA attention on XLA
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` exports from the YAML
+    assert XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin()).xla_fsdp_plugin.compute_dtype is torch.bfloat16
+    with pytest.raises(ConfigError, match="ACCELERATE_MIXED_PRECISION=bf16 and compute_dtype=float16 disagree"):
+        XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(compute_dtype="fp16"))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ConfigError, match="fp8 cannot be honoured"):
+        XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin())
