@@ -266,6 +266,7 @@ def consolidate(
                 {"format": "pt"}, lambda name: bar.update(by_name[name].numel * by_name[name].dtype.itemsize))
             os.replace(tmp, stage / filename)
         bar.close()
+        ranks.finish_verification(MODEL_PREFIX)  # the padding of partly read shards too: nothing unchecked is published
         if split.is_sharded:
             index = {"metadata": {"total_size": sum(t.numel * t.dtype.itemsize for t in plan)},
                      "weight_map": split.tensor_to_filename}
@@ -353,4 +354,6 @@ def consolidate_into(ckpt: Path, output: Path, *, dtype: str = "auto", max_shard
 def read_full_state_dict(ckpt: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
     """Every tensor of the model saved in ``ckpt``, full and with the original names, read one at a time."""
     ranks = open_checkpoint(ckpt)
-    return {t.name: t.read(ranks) for t in plan_outputs(ranks)}
+    out = {t.name: t.read(ranks) for t in plan_outputs(ranks)}
+    ranks.finish_verification(MODEL_PREFIX)
+    return out

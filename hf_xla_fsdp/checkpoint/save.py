@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .checksums import default_algorithm, table_digest
 from .layout import (
     COMPLETE_MARKER,
     FORMAT,
@@ -89,11 +90,13 @@ def write_rank_file(
     stem = rank_file_stem(rank, world)
     tensor_path = stage / f"{stem}.safetensors"
     tmp = stage / f".{stem}.safetensors.tmp"
-    write_safetensors_streaming(tmp, specs, lambda name: cpu_rng if name == RNG_CPU else state.produce(name),
-                                {"format": "pt"})
+    algorithm = default_algorithm()
+    sums = write_safetensors_streaming(tmp, specs, lambda name: cpu_rng if name == RNG_CPU else state.produce(name),
+                                       {"format": "pt"}, checksum=algorithm)
     tmp.replace(tensor_path)
     meta = {
         "format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
+        "checksums": {"algorithm": algorithm, "tensors": sums},
         "rank": rank, "world_size": world, "run_id": run_id, "step": int(step), **state.meta,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_meta(), **_model_meta(model),
@@ -125,7 +128,8 @@ def mark_complete(ckpt_dir: Union[str, Path], world_size: int) -> Path:
             raise CheckpointError(f"cannot commit {ckpt_dir}: rank {rank} has not written {stem}.safetensors/.json")
         meta = json.loads(meta_path.read_text())
         first = first or meta
-        files[tensor_path.name] = {"file_id": meta["file_id"], "bytes": meta["tensor_file_bytes"]}
+        files[tensor_path.name] = {"file_id": meta["file_id"], "bytes": meta["tensor_file_bytes"],
+                                   "checksums": table_digest(meta.get("checksums"))}
     rank_files = set(files) | {f"{Path(n).stem}.json" for n in files}
     for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
         if stray.is_file() and stray.name.startswith("rank-") and stray.name not in rank_files:
