@@ -15,6 +15,7 @@ Nothing here imports torch_xla: consolidation runs on any machine with torch.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -164,7 +165,8 @@ class SafetensorsRankFile(RankFile):
     def __init__(self, path: Path):
         meta_path = path.with_suffix(".json")
         try:
-            meta = json.loads(meta_path.read_text())
+            raw = meta_path.read_bytes()
+            meta = json.loads(raw)
         except FileNotFoundError:
             raise CheckpointError(f"{meta_path} is missing: the rank file {path.name} has no metadata") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -179,6 +181,7 @@ class SafetensorsRankFile(RankFile):
             self._reader = SafetensorsReader(path)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
+        self.meta_sha256 = hashlib.sha256(raw).hexdigest()
         self._verifier: Optional[TensorVerifier] = None
         checksums = meta.get("checksums")
         if checksums:
@@ -311,6 +314,10 @@ def check_file_id(f: RankFile, marker: dict[str, Any]) -> RankFile:
     digest = listed.get("checksums")
     if digest is not None and table_digest(f.meta.get("checksums")) != digest:
         raise CheckpointError(f"{f.path.with_suffix('.json')} is corrupted: its checksum table differs from the one "
+                              f"{COMPLETE_MARKER} records; use an earlier checkpoint")
+    want = listed.get("meta_sha256")
+    if want is not None and getattr(f, "meta_sha256", want) != want:
+        raise CheckpointError(f"{f.path.with_suffix('.json')} is corrupted: its SHA-256 differs from the one "
                               f"{COMPLETE_MARKER} records; use an earlier checkpoint")
     return f
 
