@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
+    except (ConfigError, OSError, ValueError) as err:  # bad input, or a full disk / read-only place: one line
         print(f"hf-xla-fsdp {args.command}: error: {err}", file=sys.stderr)
         return 2
 

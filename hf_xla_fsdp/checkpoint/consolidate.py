@@ -254,7 +254,12 @@ def consolidate(
     )
     by_name = {t.name: t for t in plan}
     output = Path(output)
-    stage = prepare_output(output, overwrite)
+    try:
+        stage = prepare_output(output, overwrite)
+    except OSError as err:
+        if err.errno is None:  # check_output's own one-line refusals (an existing output)
+            raise
+        raise CheckpointError(f"cannot write the consolidated model beside {output}: {err}") from None
     try:
         bar = tqdm(total=sum(t.numel * t.dtype.itemsize for t in plan), unit="B", unit_scale=True,
                    desc="consolidate", disable=not progress)
@@ -280,6 +285,11 @@ def consolidate(
         if info:
             write_bytes_atomic(stage / TRAINING_INFO, json.dumps(info, indent=2).encode())
         publish(stage, output)
+    except OSError as err:  # a full disk, a size limit, a read-only mount: the staging files go, the output stays
+        shutil.rmtree(stage, ignore_errors=True)
+        raise CheckpointError(f"cannot write the consolidated model to {output}: {err}; "
+                              f"{'the existing ' + str(output) + ' is unchanged' if output.exists() else 'nothing was written'}"
+                              ) from None
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise

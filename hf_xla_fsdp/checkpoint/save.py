@@ -282,8 +282,7 @@ def save_checkpoint(
                     before_commit(staging_dir(ckpt_dir))
                 commit_checkpoint(ckpt_dir, world, marked=True)
             except OSError as err:  # e.g. no space left for the marker: nothing half-published stays behind
-                if not ckpt_dir.exists():
-                    shutil.rmtree(staging_dir(ckpt_dir), ignore_errors=True)
+                shutil.rmtree(staging_dir(ckpt_dir), ignore_errors=True)  # gone already if it was published
                 raise CheckpointError(f"the save of {ckpt_dir} failed on rank 0: {_first_line(err)} "
                                       "(nothing was published; earlier checkpoints are untouched)") from None
     finally:  # the other ranks are released even if the commit failed (rank 0 raises it)
