@@ -103,3 +103,5 @@ def test_sigkill_of_one_rank_never_leaves_a_marked_checkpoint(tmp_path, n):
                 open_checkpoint(hidden)
         latest = read_full_state_dict(visible[-1])  # the previous checkpoint stays loadable, bit for bit
         assert latest.keys() == expected.keys() and all(torch.equal(latest[k], expected[k]) for k in expected)
+        print(f"world {n} run {attempt}: rank {victim} killed {delay:.2f} s after the first save; "
+              f"{len(visible)} checkpoints published, {len(list(root.rglob(COMPLETE_MARKER)))} marked", flush=True)
