@@ -9,6 +9,9 @@ imports), RSS above the bare `import torch` (the CUDA build of torch 2.9.0 maps 
 libraries before any work), and whether the outputs are identical. Peaks are each child's own VmHWM
 (see _harness.py: a child's ru_maxrss would include this parent's peak).
 Targets (issue 3): our peak <= 0.5 GB + model/8 and >= 5x below the reference; our time <= the reference's.
+Checksum cost (issue 15): our consolidation of the same rank files with their CRC-32C checksums checked, with
+zlib's CRC-32 instead, and with no checksums (the tables removed, as an earlier version wrote them), each run
+--repeats times alternately (best of each reported); target: checking costs <= 10 % of the unchecked time.
 Rank files are real torch_xla FSDP state, one process per rank (see XLA_ON_CPU.md), cached in --workdir.
 """
 
@@ -87,8 +90,9 @@ def baseline_rss(kind: str) -> tuple[int, int]:
 
     torch_only = vm_hwm_bytes()
     if kind == "ours":
-        import hf_xla_fsdp.consolidate  # noqa: F401
         import transformers  # noqa: F401
+
+        import hf_xla_fsdp.consolidate  # noqa: F401
     else:
         import torch_xla.distributed.fsdp  # noqa: F401
         import transformers  # noqa: F401
@@ -103,6 +107,8 @@ def child(args: argparse.Namespace) -> None:
     torch_rss, base = baseline_rss("reference" if args.child == "reference" else "ours")
     if args.child == "ours":
         result = run_ours(work / "ours", work / "out_ours", None)
+    elif args.child in ("ours_crc32", "ours_unverified"):
+        result = run_ours(work / args.child, work / f"out_{args.child}", None)
     elif args.child == "ours_trainer_files":
         result = run_ours(work / "trainer", work / "out_ours_trainer", work / "trainer")
     else:
@@ -110,6 +116,41 @@ def child(args: argparse.Namespace) -> None:
     result["baseline_rss"] = base
     result["torch_import_rss"] = torch_rss
     emit(result)
+
+
+def checksum_variants(work: Path) -> dict[str, Path]:
+    """The rank files of ``work/ours`` (hard links) with CRC-32 tables, and with none: same bytes, other metadata."""
+    from hf_xla_fsdp.checkpoint.checksums import CRC32, hexdigest, table_digest, update
+    from hf_xla_fsdp.checkpoint.layout import COMPLETE_MARKER
+    from hf_xla_fsdp.checkpoint.safetensors_io import SafetensorsReader
+
+    out = {}
+    for kind in ("crc32", "unverified"):
+        target = work / f"ours_{kind}"
+        out[kind] = target
+        if (target / COMPLETE_MARKER).exists():
+            continue
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir()
+        marker = json.loads((work / "ours" / COMPLETE_MARKER).read_text())
+        for name, entry in marker["files"].items():
+            os.link(work / "ours" / name, target / name)
+            meta_name = name.removesuffix(".safetensors") + ".json"
+            meta = json.loads((work / "ours" / meta_name).read_text())
+            if kind == "unverified":
+                meta.pop("checksums")
+            else:
+                reader = SafetensorsReader(target / name)
+                meta["checksums"] = {"algorithm": CRC32, "tensors": {
+                    n: hexdigest(update(CRC32, 0, reader.read_bytes(n, 0, reader.nbytes(n)))) for n in reader.entries}}
+            data = json.dumps(meta, indent=1).encode()
+            (target / meta_name).write_bytes(data)
+            entry.pop("meta_sha256", None)
+            entry["checksums"] = table_digest(meta.get("checksums"))
+            if entry["checksums"] is None:
+                entry.pop("checksums")
+        (target / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1))
+    return out
 
 
 def compare_outputs(a: Path, b: Path) -> bool:
@@ -141,12 +182,14 @@ def main() -> None:
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each checksum variant (best reported)")
     args = p.parse_args()
     if args.child:
         return child(args)
     work = Path(args.workdir)
     me = [__file__, "--workdir", work, "--world-size", args.world_size]
-    if not (work / "ours" / "checkpoint_complete.json").exists():
+    first_meta = work / "ours" / f"rank-00000-of-{args.world_size:05d}.json"
+    if not (work / "ours" / "checkpoint_complete.json").exists() or "checksums" not in json.loads(first_meta.read_text()):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         for rank in range(args.world_size):
@@ -162,6 +205,15 @@ def main() -> None:
         # ours must work without torch_xla; transformers would import it with any model class otherwise
         env = {"USE_TORCH_XLA": "0"} if kind.startswith("ours") else None
         results[kind] = run_json_child([*me, "--child", kind], name=kind, env=env)
+    variants = checksum_variants(work)
+    timings: dict[str, list[float]] = {"crc32c": [], "crc32": [], "unverified": []}
+    for _ in range(args.repeats):  # alternately, so a busy moment of the machine does not fall on one variant only
+        for kind, child_name in (("unverified", "ours_unverified"), ("crc32c", "ours"), ("crc32", "ours_crc32")):
+            shutil.rmtree(work / f"out_{child_name}", ignore_errors=True)
+            run = run_json_child([*me, "--child", child_name], name=child_name, env={"USE_TORCH_XLA": "0"})
+            timings[kind].append(run["seconds"])
+    assert variants
+    best = {kind: min(values) for kind, values in timings.items()}
     model_bytes = sum(f.stat().st_size for f in (work / "out_reference").glob("*.safetensors"))
     ours, ref = results["ours"], results["reference"]
     report = {
@@ -180,6 +232,14 @@ def main() -> None:
         "outputs_identical": compare_outputs(work / "out_ours", work / "out_reference")
         and compare_outputs(work / "out_ours_trainer", work / "out_reference"),
     }
+    report["checksums"] = {
+        "consolidation_seconds": timings, "best_seconds": best,
+        "crc32c_overhead_percent": round(100 * (best["crc32c"] / best["unverified"] - 1), 1),
+        "crc32_overhead_percent": round(100 * (best["crc32"] / best["unverified"] - 1), 1),
+        "outputs_identical": compare_outputs(work / "out_ours_unverified", work / "out_ours")
+        and compare_outputs(work / "out_ours_crc32", work / "out_ours"),
+    }
+    report["checksum_overhead_within_10_percent"] = best["crc32c"] <= 1.10 * best["unverified"]
     report["ours_within_peak_target"] = ours["peak_rss"] <= 0.5 * 2**30 + model_bytes / args.world_size
     report["ours_above_torch_import_within_target"] = (
         ours["peak_rss"] - ours["torch_import_rss"] <= 0.5 * 2**30 + model_bytes / args.world_size)

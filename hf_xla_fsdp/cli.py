@@ -57,6 +57,14 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Check every rank file of a checkpoint (ids, sizes, every tensor's checksum) without consolidating it."""
+    from .checkpoint.verify import verify_checkpoint
+
+    print(json.dumps(verify_checkpoint(args.ckpt, args.ckpt_suffix), indent=2))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Consolidated model + model card in DIR, optionally pushed to the Hub."""
     _no_xla_runtime()
@@ -103,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_consolidate)
 
+    p = sub.add_parser("verify", help="check every rank file of a checkpoint against its checksums (no consolidation)")
+    p.add_argument("ckpt", help="an hf_xla_fsdp checkpoint dir (also a Trainer checkpoint dir or a torch_xla file prefix)")
+    p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None, help="glob after the prefix for torch_xla-style files")
+    p.set_defaults(func=cmd_verify)
+
     p = sub.add_parser("export", help="consolidated model + generated model card in DIR, optionally pushed to the Hub")
     p.add_argument("source", help="a sharded checkpoint (as for consolidate) or an already consolidated directory")
     p.add_argument("--output", "-o", required=True)
@@ -130,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as err:
+    except (ConfigError, OSError, ValueError) as err:  # bad input, or a full disk / read-only place: one line
         print(f"hf-xla-fsdp {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,10 @@ users and consolidation never need. This module imports nothing of ours.
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
+from typing import Callable, Optional
+
 import torch
 
 
@@ -71,6 +75,56 @@ def default_barrier(tag: str) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.rendezvous(tag)
+
+
+def default_gather(tag: str, payload: bytes) -> list[bytes]:
+    """Every process's ``payload`` on every process, in process order: ``xm.rendezvous(tag, payload)`` when several
+    processes run, ``[payload]`` otherwise."""
+    if multi_process():
+        import torch_xla.core.xla_model as xm
+
+        return list(xm.rendezvous(tag, payload))
+    return [payload]
+
+
+# --------------------------------------------------------------------------- torch.distributed stand-ins
+# For processes coordinated by torch.distributed (e.g. gloo over TCP) rather than the XLA runtime: a barrier and
+# an all-gather for save_checkpoint(barrier=..., gather=...). Both end after ``timeout`` seconds, and on
+# rank 0 the error names the ranks that never arrived (monitored_barrier with wait_all_ranks).
+_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+def _monitored_barrier(tag: str, timeout: float) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as err:
+        found = _MISSING.search(str(err))
+        if found:
+            missing = [int(r) for r in found.group(1).replace(" ", "").split(",") if r]
+            raise TimeoutError(f"rank(s) {missing} did not reach {tag} within {timeout:g} s") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TimeoutError(f"{tag} failed on rank {dist.get_rank()}: {first}") from None
+
+
+def dist_barrier(timeout: float = 600.0) -> Callable[[str], None]:
+    """A barrier over the default torch.distributed process group that ends after ``timeout`` seconds."""
+    return lambda tag: _monitored_barrier(tag, timeout)
+
+
+def dist_gather(timeout: float = 600.0) -> Callable[[str, bytes], list[bytes]]:
+    """Every rank's bytes on every rank, in rank order, over the default torch.distributed process group (as
+    ``xm.rendezvous``); after ``timeout`` seconds without every rank it ends, naming the missing ranks on rank 0."""
+    def gather(tag: str, payload: bytes) -> list[bytes]:
+        import torch.distributed as dist
+
+        _monitored_barrier(tag, timeout)  # every rank has arrived, or the missing ones are named
+        out: list[Optional[bytes]] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, payload)
+        return [b if b is not None else b"" for b in out]
+
+    return gather
 
 
 def get_xla_rng_state() -> int:

@@ -9,9 +9,12 @@ scripts the tests start (tests/spmd_worker.py), which cannot import conftest's f
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,17 +58,29 @@ def consolidate(models) -> dict[str, torch.Tensor]:
     return consolidate_sharded_state_dicts(state_dicts, models[0].get_shard_metadata())
 
 
-def build_ranks(config, world: int, seed: int = 0, **settings) -> list[torch.nn.Module]:
-    """The FSDP models of every rank of a world of ``world`` ranks, same seed."""
+def build_rank(config, world: int, rank: int, seed: int = 0, **settings) -> torch.nn.Module:
+    """The FSDP model of rank ``rank`` of a world of ``world`` ranks (what that rank's own process would build)."""
     from hf_xla_fsdp import XlaFsdpPlugin
 
-    models = []
-    for rank in range(world):
-        torch.manual_seed(seed)
-        plugin = XlaFsdpPlugin(sharding_groups=[list(range(world))], sharding_rank=rank, sharding_world_size=world,
-                               **settings)
-        models.append(plugin.build(config, progress=False))
-    return models
+    torch.manual_seed(seed)
+    plugin = XlaFsdpPlugin(sharding_groups=[list(range(world))], sharding_rank=rank, sharding_world_size=world,
+                           **settings)
+    return plugin.build(config, progress=False)
+
+
+def build_ranks(config, world: int, seed: int = 0, **settings) -> list[torch.nn.Module]:
+    """The FSDP models of every rank of a world of ``world`` ranks, same seed."""
+    return [build_rank(config, world, rank, seed, **settings) for rank in range(world)]
+
+
+def fake_adam_rank(model, seed: int, rank: int) -> torch.optim.Optimizer:
+    """Real AdamW state for one rank, from random gradients seeded by (seed, rank): the same in any process."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
+    opt.step()
+    return opt
 
 
 def fake_adam_state(models, seed: int = 0) -> list[torch.optim.Optimizer]:
@@ -144,3 +159,100 @@ def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
     """
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=xla_env(devices=devices, env=env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- N real processes
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RankRun:
+    """One rank process of :func:`run_ranks`: its exit code (negative: killed by that signal) and output."""
+
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def last_line(self) -> str:
+        """The last line the rank printed on stdout ('' if none)."""
+        lines = self.stdout.strip().splitlines()
+        return lines[-1] if lines else ""
+
+
+class RankProcesses:
+    """The running processes of :func:`run_ranks`, as a kill hook sees them."""
+
+    def __init__(self, procs: list[subprocess.Popen], logs: list[Path]):
+        self.procs, self.logs = procs, logs
+
+    def output(self, rank: int) -> str:
+        """What rank ``rank`` has printed on stdout so far."""
+        return self.logs[rank].read_text()
+
+    def wait_for(self, rank: int, text: str, timeout: float = 300) -> bool:
+        """Wait until rank ``rank`` printed ``text`` (False if it exited or the time ran out first)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output(rank):
+                return True
+            if self.procs[rank].poll() is not None:
+                return text in self.output(rank)
+            time.sleep(0.02)
+        return False
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL rank ``rank`` now."""
+        self.procs[rank].kill()
+
+
+def run_ranks(n: int, args: Callable[[int], Sequence[str | os.PathLike]], *,
+              script: Path = WORKERS / "ckpt_worker.py", env: Callable[[int], Mapping[str, str | None]] | None = None,
+              kill: Callable[[RankProcesses], None] | None = None, timeout: float = 300, logs: Path | None = None,
+              ) -> list[RankRun]:
+    """Start ``n`` OS processes ``python script --rank R --world n --port P *args(R)`` that form a torch.distributed
+    gloo group on 127.0.0.1 (free port ``P``), each on XLA:CPU with one device; wait for all of them.
+
+    ``args(rank)`` gives each rank its arguments (e.g. its own output directory, for per-host "local disks");
+    ``env(rank)`` adds to its environment (None removes a variable); ``kill(processes)`` runs while they run
+    (e.g. wait for a line, then SIGKILL one rank). After ``timeout`` seconds the survivors are killed. Output goes
+    to files in ``logs`` (a temporary directory by default), so no pipe can fill up.
+    """
+    import tempfile
+
+    logs = Path(logs or tempfile.mkdtemp(prefix="ranks-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs, outs, errs = [], [], []
+    for rank in range(n):
+        out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
+        outs.append(out)
+        errs.append(err)
+        with open(out, "w") as fo, open(err, "w") as fe:
+            cmd = [sys.executable, str(script), "--rank", str(rank), "--world", str(n), "--port", str(port),
+                   *map(str, args(rank))]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=fo, stderr=fe, text=True,
+                                          env=xla_env(devices=1, env=env(rank) if env else None)))
+    running = RankProcesses(procs, outs)
+    try:
+        if kill is not None:
+            kill(running)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [RankRun(r, p.returncode, outs[r].read_text(), errs[r].read_text()) for r, p in enumerate(procs)]

@@ -254,7 +254,12 @@ def consolidate(
     )
     by_name = {t.name: t for t in plan}
     output = Path(output)
-    stage = prepare_output(output, overwrite)
+    try:
+        stage = prepare_output(output, overwrite)
+    except OSError as err:
+        if err.errno is None:  # check_output's own one-line refusals (an existing output)
+            raise
+        raise CheckpointError(f"cannot write the consolidated model beside {output}: {err}") from None
     try:
         bar = tqdm(total=sum(t.numel * t.dtype.itemsize for t in plan), unit="B", unit_scale=True,
                    desc="consolidate", disable=not progress)
@@ -266,6 +271,7 @@ def consolidate(
                 {"format": "pt"}, lambda name: bar.update(by_name[name].numel * by_name[name].dtype.itemsize))
             os.replace(tmp, stage / filename)
         bar.close()
+        ranks.finish_verification(MODEL_PREFIX)  # the padding of partly read shards too: nothing unchecked is published
         if split.is_sharded:
             index = {"metadata": {"total_size": sum(t.numel * t.dtype.itemsize for t in plan)},
                      "weight_map": split.tensor_to_filename}
@@ -279,6 +285,11 @@ def consolidate(
         if info:
             write_bytes_atomic(stage / TRAINING_INFO, json.dumps(info, indent=2).encode())
         publish(stage, output)
+    except OSError as err:  # a full disk, a size limit, a read-only mount: the staging files go, the output stays
+        shutil.rmtree(stage, ignore_errors=True)
+        raise CheckpointError(f"cannot write the consolidated model to {output}: {err}; "
+                              f"{'the existing ' + str(output) + ' is unchanged' if output.exists() else 'nothing was written'}"
+                              ) from None
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -353,4 +364,6 @@ def consolidate_into(ckpt: Path, output: Path, *, dtype: str = "auto", max_shard
 def read_full_state_dict(ckpt: Union[str, os.PathLike]) -> dict[str, torch.Tensor]:
     """Every tensor of the model saved in ``ckpt``, full and with the original names, read one at a time."""
     ranks = open_checkpoint(ckpt)
-    return {t.name: t.read(ranks) for t in plan_outputs(ranks)}
+    out = {t.name: t.read(ranks) for t in plan_outputs(ranks)}
+    ranks.finish_verification(MODEL_PREFIX)
+    return out

@@ -15,6 +15,7 @@ Nothing here imports torch_xla: consolidation runs on any machine with torch.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from ..errors import CheckpointError
+from .checksums import TensorVerifier, note_unverified, table_digest
 from .layout import COMPLETE_MARKER, FORMAT, MODEL_PREFIX, OPTIM_PREFIX, rank_file_stem, read_marker, safe_member
 from .safetensors_io import SafetensorsReader, dtype_from_name
 
@@ -139,6 +141,23 @@ class RankFile:
         """The FSDP state-dict keys of this rank's model shard."""
         return [n[len(MODEL_PREFIX):] for n in self.names() if n.startswith(MODEL_PREFIX)]
 
+    @property
+    def checksummed(self) -> bool:
+        """True when this file records a checksum of every tensor (and reads are checked against it)."""
+        return False
+
+    def finish_verification(self, prefix: Optional[str] = None) -> None:
+        """Check every tensor read so far whose checksum could not be checked while it was read (partial reads),
+        and with ``prefix`` every tensor whose name starts with it, read or not (e.g. shards that are all padding)."""
+
+    def verify_all(self) -> int:
+        """Read every tensor and check it against its checksum; returns the bytes read."""
+        total = 0
+        for name in self.names():
+            tensor = self.get(name)
+            total += tensor.numel() * tensor.element_size()
+        return total
+
 
 class SafetensorsRankFile(RankFile):
     """Our format: ``rank-*.safetensors`` + ``rank-*.json``."""
@@ -146,7 +165,8 @@ class SafetensorsRankFile(RankFile):
     def __init__(self, path: Path):
         meta_path = path.with_suffix(".json")
         try:
-            meta = json.loads(meta_path.read_text())
+            raw = meta_path.read_bytes()
+            meta = json.loads(raw)
         except FileNotFoundError:
             raise CheckpointError(f"{meta_path} is missing: the rank file {path.name} has no metadata") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -161,6 +181,16 @@ class SafetensorsRankFile(RankFile):
             self._reader = SafetensorsReader(path)
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
+        self.meta_sha256 = hashlib.sha256(raw).hexdigest()
+        self._verifier: Optional[TensorVerifier] = None
+        checksums = meta.get("checksums")
+        if checksums:
+            if not isinstance(checksums, dict) or not isinstance(checksums.get("tensors"), dict):
+                raise CheckpointError(f"{meta_path} is corrupted: its 'checksums' entry is malformed")
+            sizes = {name: self._reader.nbytes(name) for name in self._reader.entries}
+            self._verifier = TensorVerifier(path, checksums, sizes, self._read_bytes)
+        else:
+            note_unverified(path.parent)
         if pieces:  # per-tensor pieces in meta["tensors"], no flat-shard layout
             md = {"rank": int(meta["rank"]), "world_size": int(meta["world_size"]), "engine": LAYOUT_PIECES}
         else:
@@ -171,10 +201,38 @@ class SafetensorsRankFile(RankFile):
         return list(self._reader.entries)
 
     def _read(self, name: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        check = self._verifier.on_read if self._verifier is not None else None
         try:
-            return self._reader.read(name, start, stop)
+            return self._reader.read(name, start, stop, check)
+        except CheckpointError:
+            raise
         except (ValueError, OSError) as err:
             raise CheckpointError(f"{self.path} is truncated or corrupted: cannot read {name} ({err})") from None
+
+    def _read_bytes(self, name: str, start: int, stop: int) -> bytearray:
+        try:
+            return self._reader.read_bytes(name, start, stop)
+        except (ValueError, OSError) as err:
+            raise CheckpointError(f"{self.path} is truncated or corrupted: cannot read {name} ({err})") from None
+
+    @property
+    def checksummed(self) -> bool:
+        return self._verifier is not None
+
+    def finish_verification(self, prefix: Optional[str] = None) -> None:
+        if self._verifier is not None:
+            self._verifier.finish([n for n in self.names() if n.startswith(prefix)] if prefix is not None else ())
+
+    def verify_all(self) -> int:
+        total = 0
+        for name in self.names():
+            if self._verifier is not None and name not in self._verifier.verified:
+                self._verifier.verify(name)
+            elif self._verifier is None:
+                for lo in range(0, self._reader.nbytes(name), 16 << 20):  # no checksums: at least every byte is readable
+                    self._read_bytes(name, lo, lo + (16 << 20))
+            total += self._reader.nbytes(name)
+        return total
 
     def get(self, name: str) -> torch.Tensor:
         return self._read(name)
@@ -250,9 +308,17 @@ def open_rank_file(path: Path) -> RankFile:
 
 def check_file_id(f: RankFile, marker: dict[str, Any]) -> RankFile:
     """``f`` itself, once its id is the one the completion marker lists for it (not a stale file of another save)."""
-    want = (marker["files"].get(f.path.name) or {}).get("file_id")
-    if f.meta.get("file_id") != want:
+    listed = marker["files"].get(f.path.name) or {}
+    if f.meta.get("file_id") != listed.get("file_id"):
         raise CheckpointError(f"{f.path.name} does not belong to this checkpoint: it was written by a different save or run")
+    digest = listed.get("checksums")
+    if digest is not None and table_digest(f.meta.get("checksums")) != digest:
+        raise CheckpointError(f"{f.path.with_suffix('.json')} is corrupted: its checksum table differs from the one "
+                              f"{COMPLETE_MARKER} records; use an earlier checkpoint")
+    want = listed.get("meta_sha256")
+    if want is not None and getattr(f, "meta_sha256", want) != want:
+        raise CheckpointError(f"{f.path.with_suffix('.json')} is corrupted: its SHA-256 differs from the one "
+                              f"{COMPLETE_MARKER} records; use an earlier checkpoint")
     return f
 
 
@@ -316,6 +382,11 @@ class RankSet:
         if marker:
             for f in self.files:
                 check_file_id(f, marker)
+
+    def finish_verification(self, prefix: Optional[str] = None) -> None:
+        """Check the checksum of every tensor read from these files so far (see :meth:`RankFile.finish_verification`)."""
+        for f in self.files:
+            f.finish_verification(prefix)
 
     @property
     def engine(self) -> str:

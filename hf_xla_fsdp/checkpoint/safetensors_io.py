@@ -68,21 +68,40 @@ class SafetensorsReader:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY)
 
-    def read(self, name: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
-        """Tensor ``name``, or only its rows ``start:stop``."""
+    def read(self, name: str, start: Optional[int] = None, stop: Optional[int] = None,
+             on_bytes: Optional[Callable[[str, int, bytearray], Any]] = None) -> torch.Tensor:
+        """Tensor ``name``, or only its rows ``start:stop``; ``on_bytes(name, offset, data)`` sees the bytes read."""
         dtype, shape, begin, end = self.entries[name]
+        offset = 0
         if start is not None:
             rows = shape[0]
             start, stop = max(0, min(start, rows)), max(0, min(stop, rows))
             row_bytes = math.prod(shape[1:]) * dtype.itemsize
-            begin, end = begin + start * row_bytes, begin + max(stop, start) * row_bytes
+            offset, end = start * row_bytes, begin + max(stop, start) * row_bytes
+            begin += offset
             shape = (max(stop - start, 0), *shape[1:])
         buf = bytearray(end - begin)
         if buf and os.preadv(self._fd, [buf], begin) != len(buf):
             raise ValueError(f"short read of {name}")
+        if on_bytes is not None:
+            on_bytes(name, offset, buf)
         if not buf:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def nbytes(self, name: str) -> int:
+        """Size of tensor ``name``'s data in bytes."""
+        _, _, begin, end = self.entries[name]
+        return end - begin
+
+    def read_bytes(self, name: str, start: int, stop: int) -> bytearray:
+        """Bytes ``start:stop`` of tensor ``name``'s data."""
+        _, _, begin, end = self.entries[name]
+        stop = min(stop, end - begin)
+        buf = bytearray(max(stop - start, 0))
+        if buf and os.preadv(self._fd, [buf], begin + start) != len(buf):
+            raise ValueError(f"short read of {name}")
+        return buf
 
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
@@ -91,13 +110,18 @@ class SafetensorsReader:
 
 
 def write_safetensors_streaming(path: Path, specs: list[TensorSpec], produce: Callable[[str], torch.Tensor],
-                                metadata: dict[str, str], on_tensor: Optional[Callable[[str], Any]] = None) -> None:
-    """Write a safetensors file one tensor at a time, then fsync it.
+                                metadata: dict[str, str], on_tensor: Optional[Callable[[str], Any]] = None,
+                                checksum: Optional[str] = None) -> dict[str, str]:
+    """Write a safetensors file one tensor at a time, then fsync it; returns each tensor's checksum.
 
     ``specs`` gives every (name, shape, dtype) up front, so the header goes first and each tensor
     is produced by ``produce(name)``, written and dropped in turn. The layout is the safetensors
     format (little-endian u64 header size, JSON header padded to 8 bytes, raw little-endian data).
+    With ``checksum`` (an algorithm of :mod:`.checksums`) every tensor's bytes are checksummed as
+    they are written: ``{name: hex}``; empty without.
     """
+    from .checksums import hexdigest, update
+
     if sys.byteorder != "little":
         raise RuntimeError("streaming safetensors writing needs a little-endian host")
     header: dict[str, Any] = {"__metadata__": metadata}
@@ -108,6 +132,7 @@ def write_safetensors_streaming(path: Path, specs: list[TensorSpec], produce: Ca
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+    sums: dict[str, str] = {}
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(head)))
         fh.write(head)
@@ -115,8 +140,12 @@ def write_safetensors_streaming(path: Path, specs: list[TensorSpec], produce: Ca
             tensor = produce(name)
             if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
                 raise CheckpointError(f"{name}: produced {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(shape)} {dtype}")
-            fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+            fh.write(data)
+            if checksum is not None:
+                sums[name] = hexdigest(update(checksum, 0, data))
             if on_tensor is not None:
                 on_tensor(name)
         fh.flush()
         os.fsync(fh.fileno())
+    return sums

@@ -1,14 +1,18 @@
-"""Saving: every rank writes its files into a staging directory, rank 0 marks the save complete and publishes it.
+"""Saving: every rank writes its files into a staging directory and reports them to rank 0, which marks the save
+complete from the reports and publishes it.
 
 What a rank's tensors are is the engine's business (:meth:`~hf_xla_fsdp.engines.base.Engine.rank_state`);
-the file protocol here is the same for every engine: tensors streamed into
-``rank-R-of-W.safetensors``, metadata into ``rank-R-of-W.json``, then ``checkpoint_complete.json``
-and an atomic rename.
+the file protocol here is the same for every engine: tensors streamed into ``rank-R-of-W.safetensors``,
+metadata into ``rank-R-of-W.json`` (both fsync'd, and the directory), then a report per rank (file name,
+size, id, digests) gathered to rank 0, which writes ``checkpoint_complete.json`` from the reports alone
+(it never opens another rank's files, which may live on another host) and renames the directory into place.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -17,10 +21,12 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .checksums import default_algorithm, table_digest
 from .layout import (
     COMPLETE_MARKER,
     FORMAT,
     RNG_CPU,
+    fsync_dir,
     publish,
     rank_file_stem,
     staging_dir,
@@ -75,6 +81,15 @@ def write_rank_file(
     extra: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write the calling rank's files into the staging directory of ``ckpt_dir``; returns the tensor file."""
+    path, _ = _write_rank_files(ckpt_dir, model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin,
+                                extra=extra)
+    return path
+
+
+def _write_rank_files(ckpt_dir: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                      scheduler: Any, *, step: int, run_id: Optional[str], plugin: Any,
+                      extra: Optional[dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    """The rank's tensor and JSON files, written, fsync'd and renamed into the staging directory; and its report."""
     from ..engines import engine_of
     from ..runtime import sync
 
@@ -82,6 +97,8 @@ def write_rank_file(
     rank, world = engine.rank_world(model)
     stage = staging_dir(ckpt_dir)
     stage.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # a marker left by a save of the same name that was killed before publishing is never reused
+        (stage / COMPLETE_MARKER).unlink(missing_ok=True)
     sync()  # pending updates land before reading values
     state = engine.rank_state(model, optimizer)
     cpu_rng = torch.get_rng_state()
@@ -89,11 +106,17 @@ def write_rank_file(
     stem = rank_file_stem(rank, world)
     tensor_path = stage / f"{stem}.safetensors"
     tmp = stage / f".{stem}.safetensors.tmp"
-    write_safetensors_streaming(tmp, specs, lambda name: cpu_rng if name == RNG_CPU else state.produce(name),
-                                {"format": "pt"})
-    tmp.replace(tensor_path)
+    algorithm = default_algorithm()
+    try:
+        sums = write_safetensors_streaming(tmp, specs, lambda name: cpu_rng if name == RNG_CPU else state.produce(name),
+                                           {"format": "pt"}, checksum=algorithm)
+        tmp.replace(tensor_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     meta = {
         "format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
+        "checksums": {"algorithm": algorithm, "tensors": sums},
         "rank": rank, "world_size": world, "run_id": run_id, "step": int(step), **state.meta,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_meta(), **_model_meta(model),
@@ -106,31 +129,68 @@ def write_rank_file(
         raise CheckpointError(f"checkpoint metadata is not JSON-serialisable ({err}); "
                               "keep `extra` and the scheduler state plain") from None
     write_bytes_atomic(stage / f"{stem}.json", data)
-    return tensor_path
+    fsync_dir(stage)  # both renames are durable before the rank reports its files
+    return tensor_path, _report(meta, tensor_path.name, data)
 
 
-def mark_complete(ckpt_dir: Union[str, Path], world_size: int) -> Path:
+def _report(meta: dict[str, Any], tensor_name: str, meta_bytes: bytes) -> dict[str, Any]:
+    """What a rank tells rank 0 about its written files: all the completion marker needs."""
+    return {"rank": int(meta["rank"]), "world_size": int(meta["world_size"]), "step": meta["step"],
+            "run_id": meta["run_id"], "engine": meta.get("engine", LAYOUT_FLAT), "file": tensor_name,
+            "entry": {"file_id": meta["file_id"], "bytes": meta["tensor_file_bytes"],
+                      "checksums": table_digest(meta.get("checksums")),
+                      "meta_sha256": hashlib.sha256(meta_bytes).hexdigest()}}
+
+
+def report_from_disk(ckpt_dir: Union[str, Path], rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank``'s report read back from its files in the staging directory (all ranks in one directory)."""
+    stage = staging_dir(ckpt_dir)
+    stem = rank_file_stem(rank, world_size)
+    meta_path, tensor_path = stage / f"{stem}.json", stage / f"{stem}.safetensors"
+    if not meta_path.is_file() or not tensor_path.is_file():
+        raise CheckpointError(f"cannot commit {ckpt_dir}: rank {rank} has not written {stem}.safetensors/.json")
+    data = meta_path.read_bytes()
+    return _report(json.loads(data), tensor_path.name, data)
+
+
+def mark_complete(ckpt_dir: Union[str, Path], world_size: int,
+                  reports: Optional[list[dict[str, Any]]] = None) -> Path:
     """Rank 0, after every rank wrote its files: write the completion marker into the staging directory.
 
-    The checkpoint is then readable at :func:`staging_dir` (e.g. to consolidate it in place) but not
-    yet visible under its name; :func:`commit_checkpoint` publishes it.
+    The marker is built from the ranks' ``reports`` (see :func:`save_checkpoint`); without them they
+    are read back from the staging directory (every rank's files in one directory). The checkpoint is
+    then readable at :func:`staging_dir` (e.g. to consolidate it in place) but not yet visible under
+    its name; :func:`commit_checkpoint` publishes it.
     """
     ckpt_dir = Path(ckpt_dir)
     stage = staging_dir(ckpt_dir)
-    files, first = {}, None
-    for rank in range(world_size):
-        stem = rank_file_stem(rank, world_size)
-        meta_path, tensor_path = stage / f"{stem}.json", stage / f"{stem}.safetensors"
-        if not meta_path.is_file() or not tensor_path.is_file():
-            raise CheckpointError(f"cannot commit {ckpt_dir}: rank {rank} has not written {stem}.safetensors/.json")
-        meta = json.loads(meta_path.read_text())
-        first = first or meta
-        files[tensor_path.name] = {"file_id": meta["file_id"], "bytes": meta["tensor_file_bytes"]}
+    if reports is None:
+        reports = [report_from_disk(ckpt_dir, rank, world_size) for rank in range(world_size)]
+    by_rank: dict[int, dict[str, Any]] = {}
+    for report in reports:
+        if report.get("world_size") != world_size:
+            raise CheckpointError(f"cannot commit {ckpt_dir}: rank {report.get('rank')} saved for a world of "
+                                  f"{report.get('world_size')} ranks, not {world_size}")
+        if report["rank"] in by_rank:
+            raise CheckpointError(f"cannot commit {ckpt_dir}: rank {report['rank']} reported twice")
+        by_rank[report["rank"]] = report
+    missing = [rank for rank in range(world_size) if rank not in by_rank]
+    if missing:
+        raise CheckpointError(f"cannot commit {ckpt_dir}: rank(s) {missing} of {world_size} did not report their files")
+    first = by_rank[0]
+    for rank, report in by_rank.items():
+        if report["file"] != f"{rank_file_stem(rank, world_size)}.safetensors":
+            raise CheckpointError(f"cannot commit {ckpt_dir}: rank {rank} reported a file named {report['file']!r}")
+        if (report["step"], report["run_id"], report["engine"]) != (first["step"], first["run_id"], first["engine"]):
+            raise CheckpointError(f"cannot commit {ckpt_dir}: rank {rank} saved step {report['step']} of run "
+                                  f"{report['run_id']}, rank 0 step {first['step']} of run {first['run_id']}")
+    files = {by_rank[rank]["file"]: {k: v for k, v in by_rank[rank]["entry"].items() if v is not None}
+             for rank in range(world_size)}
     rank_files = set(files) | {f"{Path(n).stem}.json" for n in files}
     for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
         if stray.is_file() and stray.name.startswith("rank-") and stray.name not in rank_files:
             stray.unlink()
-    marker = {"format": FORMAT, "engine": first.get("engine", LAYOUT_FLAT), "world_size": world_size,
+    marker = {"format": FORMAT, "engine": first["engine"], "world_size": world_size,
               "step": first["step"], "run_id": first["run_id"], "files": files}
     write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
     return stage
@@ -150,6 +210,21 @@ def commit_checkpoint(ckpt_dir: Union[str, Path], world_size: int, *, marked: bo
     return ckpt_dir
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _together(ckpt_dir: Path, what: str, call: Callable[[], Any]) -> Any:
+    """A barrier or gather of the save; whatever it raises (a timeout, a lost peer) becomes one line."""
+    try:
+        return call()
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"the save of {ckpt_dir} {what}: {_first_line(err)}") from None
+
+
 def save_checkpoint(
     ckpt_dir: Union[str, Path],
     model: nn.Module,
@@ -161,24 +236,56 @@ def save_checkpoint(
     plugin: Any = None,
     extra: Optional[dict[str, Any]] = None,
     barrier: Optional[Callable[[str], None]] = None,
+    gather: Optional[Callable[[str, bytes], list[bytes]]] = None,
     before_commit: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Save the calling rank's shard and, once every rank has, publish ``ckpt_dir`` atomically.
 
-    Call it on every rank. ``barrier`` defaults to ``xm.rendezvous`` when several processes run.
-    ``before_commit(stage)`` runs on rank 0 once the save is marked complete in its staging
-    directory and before it is published (to add side files, or a consolidated copy, atomically).
+    Call it on every rank. Each rank writes and fsyncs its files, then sends a small report (file
+    name, size, id, checksum digests) through ``gather(tag, payload)``, which returns every rank's
+    payload in rank order (default ``xm.rendezvous(tag, payload)`` when several processes run); rank 0
+    writes the completion marker from the reports alone and publishes the directory; ``barrier(tag)``
+    (default ``xm.rendezvous``) then holds every rank until it has. A rank whose write failed reports
+    the failure: the save ends on every rank with the same line, and its staging directory is removed.
+    A failure of rank 0's own commit (after every write succeeded) is raised on rank 0.
+    ``before_commit(stage)`` runs on rank 0 once the save is marked complete in its staging directory
+    and before it is published (to add side files, or a consolidated copy, atomically).
     """
-    from ..runtime import default_barrier
+    from ..runtime import default_barrier, default_gather
 
+    ckpt_dir = Path(ckpt_dir)
     barrier = barrier or default_barrier
-    write_rank_file(ckpt_dir, model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin, extra=extra)
-    barrier("hf_xla_fsdp.save.written")
+    gather = gather or default_gather
     rank, world = rank_world(model)
-    if rank == 0:
-        mark_complete(ckpt_dir, world)
-        if before_commit is not None:
-            before_commit(staging_dir(ckpt_dir))
-        commit_checkpoint(ckpt_dir, world, marked=True)
-    barrier("hf_xla_fsdp.save.committed")
-    return Path(ckpt_dir)
+    failure: Optional[BaseException] = None
+    try:
+        _, report = _write_rank_files(ckpt_dir, model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin,
+                                      extra=extra)
+    except Exception as err:  # the others hear about it: nobody waits for files that will not come
+        failure, report = err, {"rank": rank, "world_size": world, "error": _first_line(err)}
+    payloads = _together(ckpt_dir, "did not complete (ranks lost while reporting their files)",
+                         lambda: gather("hf_xla_fsdp.save.reports", json.dumps(report).encode()))
+    reports = [json.loads(p) for p in payloads]
+    failed = sorted((r for r in reports if "error" in r), key=lambda r: r["rank"])
+    if failed:
+        if rank == 0:  # every rank has stopped writing into it
+            shutil.rmtree(staging_dir(ckpt_dir), ignore_errors=True)
+        if failure is not None and not isinstance(failure, (OSError, CheckpointError)):
+            raise failure  # not a storage problem: the full traceback is what helps
+        raise CheckpointError(f"the save of {ckpt_dir} failed on rank {failed[0]['rank']}: {failed[0]['error']} "
+                              "(nothing was published; earlier checkpoints are untouched)")
+    try:
+        if rank == 0:
+            try:
+                mark_complete(ckpt_dir, world, reports)
+                if before_commit is not None:
+                    before_commit(staging_dir(ckpt_dir))
+                commit_checkpoint(ckpt_dir, world, marked=True)
+            except OSError as err:  # e.g. no space left for the marker: nothing half-published stays behind
+                shutil.rmtree(staging_dir(ckpt_dir), ignore_errors=True)  # gone already if it was published
+                raise CheckpointError(f"the save of {ckpt_dir} failed on rank 0: {_first_line(err)} "
+                                      "(nothing was published; earlier checkpoints are untouched)") from None
+    finally:  # the other ranks are released even if the commit failed (rank 0 raises it)
+        _together(ckpt_dir, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
+                  lambda: barrier("hf_xla_fsdp.save.committed"))
+    return ckpt_dir

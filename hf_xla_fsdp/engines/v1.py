@@ -153,12 +153,19 @@ class XlaFsdpV1(Engine):
             rows = like.shape[0]
             return gather_rows(files, name, rank * rows, (rank + 1) * rows).view(like.shape)
 
-        model.load_state_dict({k: read(MODEL_PREFIX + k, v) for k, v in model.state_dict().items()})
+        def verified() -> None:  # checksums of the tensors read only in part: before anything is loaded
+            for f in files or [first]:
+                f.finish_verification()
+
+        state = {k: read(MODEL_PREFIX + k, v) for k, v in model.state_dict().items()}
+        verified()
+        model.load_state_dict(state)
         if optimizer is not None:
-            self._restore_optimizer(optimizer, model, first, read)
+            self._restore_optimizer(optimizer, model, first, read, verified)
         return Restored(first.meta, first, {"saved_world_size": saved_world})
 
-    def _restore_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, first: RankFile, read: Any) -> None:
+    def _restore_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, first: RankFile, read: Any,
+                           verified: Any) -> None:
         saved = saved_optimizer(first.meta, model, optimizer, self.checkpoint_name)
         params = dict(model.named_parameters())
         flat_names = [n for group in saved["param_names"] for n in group]
@@ -169,4 +176,5 @@ class XlaFsdpV1(Engine):
                 idx, state_name = key
                 like = params[flat_names[idx]] if first.shape(name) else torch.empty(())  # 0-d state is replicated
                 state.setdefault(idx, {})[state_name] = read(name, like)
+        verified()
         load_optimizer_state(optimizer, saved, state)

@@ -100,6 +100,7 @@ def write_adapters(model: nn.Module, ranks: "RankSet", output: Union[str, os.Pat
             if not keys:
                 raise CheckpointError(f"{ranks.source} holds no tensor of adapter {adapter!r}")
             state = {plan[full].name: plan[full].read(ranks) for full in keys.values()}
+            ranks.finish_verification()
             # peft's own writer: its key names, its config file, its README
             model.save_pretrained(str(stage), selected_adapters=[adapter], state_dict=state, is_main_process=True)
             written[adapter] = len(keys)
