@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import _compat_pickle
 import collections
+import functools
+import inspect
 import io
 import math
 import os
@@ -171,7 +173,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
         module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         if (module, name) in _CALLABLES:
-            return _CALLABLES[(module, name)]
+            found = _CALLABLES[(module, name)]
+            # our own functions go out as a fresh partial: a BUILD opcode aimed at one can change only that copy
+            return functools.partial(found) if inspect.isfunction(found) else found
         if module == "torch" and name in _DTYPES:
             return _DTYPES[name]
         if module == "torch" and name in self._storage_types:
