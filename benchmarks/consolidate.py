@@ -1,18 +1,25 @@
-"""Consolidating the 8 rank files of a 1.2 GB model: ours (streaming) against the reference path
-that transformers' Trainer takes (torch_xla's consolidate_sharded_model_checkpoints, then
-save_pretrained(state_dict=...)), each in its own process, in the same run.
+"""Consolidating the 8 rank files of a 1.2 GB model from each input format, ours against the stock path.
 
     python benchmarks/consolidate.py [--workdir DIR] [--world-size 8]
 
-Prints JSON: peak RSS and wall time of each path (the work alone, and the whole process with its
-imports), RSS above the bare `import torch` (the CUDA build of torch 2.9.0 maps ~0.5 GB of
-libraries before any work), and whether the outputs are identical. Peaks are each child's own VmHWM
-(see _harness.py: a child's ru_maxrss would include this parent's peak).
-Targets (issue 3): our peak <= 0.5 GB + model/8 and >= 5x below the reference; our time <= the reference's.
+The same real torch_xla FSDP state (one process per rank, see XLA_ON_CPU.md, cached in --workdir) is
+saved three ways: our rank files (safetensors), torch_xla's ``xm.save`` ``.pth`` files and the
+Trainer's ``rank*-of-*-pytorch_model.bin`` files (also ``xm.save``). ``hf-xla-fsdp consolidate`` turns
+each into the same safetensors model; the references are the stock tools: for ``.bin`` what
+transformers' Trainer does (torch_xla's consolidate_sharded_model_checkpoints, then
+save_pretrained(state_dict=...)), for ``.pth`` torch_xla's consolidate_sharded_model_checkpoints
+writing its consolidated ``.pth``. Every path runs in its own process, in the same run.
+
+Prints JSON: per path the peak RSS (each child's own VmHWM, see _harness.py), the peak above the bare
+``import torch`` (the CUDA build of torch 2.9.0 maps ~0.5-0.7 GB of libraries before any work), the
+time of the work and of the whole process; whether every output is identical to the reference's.
+Targets (issue 15, item 6), for every input format: peak above ``import torch`` <= 128 MiB + the
+largest tensor, >= 5x below the reference's (both above ``import torch``), process time <= today's.
+``above_imports_mib`` is the peak above the child's baseline after the imports every consolidation needs
+(transformers' config and model classes, which alone take ~190 MiB above ``import torch`` here).
 Checksum cost (issue 15): our consolidation of the same rank files with their CRC-32C checksums checked, with
 zlib's CRC-32 instead, and with no checksums (the tables removed, as an earlier version wrote them), each run
 --repeats times alternately (best of each reported); target: checking costs <= 10 % of the unchecked time.
-Rank files are real torch_xla FSDP state, one process per rank (see XLA_ON_CPU.md), cached in --workdir.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,8 +41,9 @@ from meta_init import MODEL  # noqa: E402  (the same ~325M-parameter Llama)
 
 
 def make_rank(workdir: Path, rank: int, world: int) -> None:
-    """Build rank ``rank`` with real torch_xla FSDP and save it in our format and in Trainer's."""
+    """Build rank ``rank`` with real torch_xla FSDP and save it in our format, torch_xla's and Trainer's."""
     import torch
+    import torch_xla.core.xla_model as xm
     from transformers import LlamaConfig
 
     from hf_xla_fsdp import XlaFsdpPlugin
@@ -46,17 +55,21 @@ def make_rank(workdir: Path, rank: int, world: int) -> None:
     write_rank_file(workdir / "ours", model, step=0)
     trainer = workdir / "trainer"
     trainer.mkdir(exist_ok=True)
-    torch.save({"model": {k: v.cpu() for k, v in model.state_dict().items()},
-                "shard_metadata": model.get_shard_metadata()}, trainer / f"rank{rank}-of-{world}-pytorch_model.bin")
+    state = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata()}
+    # what Trainer._save_tpu and torch_xla's FSDP examples write: xm.save (CPU copies, torch.save) per rank
+    xm.save(state, trainer / f"rank{rank}-of-{world}-pytorch_model.bin", master_only=False)
+    (workdir / "xla").mkdir(exist_ok=True)
+    xm.save(state, workdir / "xla" / f"final_ckpt_rank-{rank:08d}-of-{world:08d}.pth", master_only=False)
     if rank == 0:
         model.module.config.save_pretrained(trainer)
 
 
-def run_ours(source: Path, out: Path, config: Path | None) -> dict:
+def run_ours(source: Path, out: Path, config: Path | None, suffix: str | None = None) -> dict:
     from hf_xla_fsdp.cli import main
 
     args = ["consolidate", str(source), "-o", str(out), "--quiet"]
     args += ["--config", str(config)] if config else []
+    args += ["--ckpt-suffix", suffix] if suffix else []
     start = time.perf_counter()
     import contextlib
     import io
@@ -84,13 +97,26 @@ def run_reference(trainer_dir: Path, out: Path) -> dict:
     return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": vm_hwm_bytes()}
 
 
+def run_reference_pth(prefix: str, out: Path) -> dict:
+    """torch_xla's own tool for .pth rank files (``python -m torch_xla.distributed.fsdp.consolidate_sharded_ckpts``)."""
+    from torch_xla.distributed.fsdp import consolidate_sharded_model_checkpoints
+
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    consolidate_sharded_model_checkpoints(ckpt_prefix=prefix, ckpt_suffix="_rank-*-of-*.pth",
+                                          save_path=str(out / "consolidated.pth"), save_model=True)
+    return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": vm_hwm_bytes()}
+
+
 def baseline_rss(kind: str) -> tuple[int, int]:
     """Peak RSS after ``import torch`` alone, and after importing what the path imports, before any work."""
     import torch  # noqa: F401  (the CUDA build of torch 2.9.0 maps ~0.5 GB of libraries)
 
     torch_only = vm_hwm_bytes()
     if kind == "ours":
-        import transformers  # noqa: F401
+        # what any consolidation imports before reading a tensor: transformers' config and model classes
+        # (to check the checkpoint against the config on meta and write config.json): ~190 MiB with transformers 5
+        from transformers.models.llama import configuration_llama, modeling_llama  # noqa: F401
 
         import hf_xla_fsdp.consolidate  # noqa: F401
     else:
@@ -104,13 +130,17 @@ def child(args: argparse.Namespace) -> None:
     work = Path(args.workdir)
     if args.child == "rank":
         return make_rank(work, args.rank, args.world_size)
-    torch_rss, base = baseline_rss("reference" if args.child == "reference" else "ours")
+    torch_rss, base = baseline_rss("reference" if args.child.startswith("reference") else "ours")
     if args.child == "ours":
         result = run_ours(work / "ours", work / "out_ours", None)
     elif args.child in ("ours_crc32", "ours_unverified"):
         result = run_ours(work / args.child, work / f"out_{args.child}", None)
-    elif args.child == "ours_trainer_files":
-        result = run_ours(work / "trainer", work / "out_ours_trainer", work / "trainer")
+    elif args.child == "ours_bin":
+        result = run_ours(work / "trainer", work / "out_ours_bin", work / "trainer")
+    elif args.child == "ours_pth":
+        result = run_ours(work / "xla" / "final_ckpt", work / "out_ours_pth", work / "trainer", "_rank-*-of-*.pth")
+    elif args.child == "reference_pth":
+        result = run_reference_pth(str(work / "xla" / "final_ckpt"), work / "out_reference_pth")
     else:
         result = run_reference(work / "trainer", work / "out_reference")
     result["baseline_rss"] = base
@@ -153,30 +183,55 @@ def checksum_variants(work: Path) -> dict[str, Path]:
     return out
 
 
-def compare_outputs(a: Path, b: Path) -> bool:
-    """Tensor-by-tensor equality of two consolidated directories (read lazily)."""
+def read_outputs(d: Path) -> dict[str, Any]:
+    """Name -> tensor of a consolidated directory (safetensors, lazily) or of torch_xla's consolidated .pth."""
     import torch
     from safetensors import safe_open
 
-    def index(d: Path) -> dict[str, Path]:
-        idx = d / "model.safetensors.index.json"
-        if idx.exists():
-            return {k: d / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
-        with safe_open(str(d / "model.safetensors"), "pt") as fh:
-            return {k: d / "model.safetensors" for k in fh.keys()}
+    if (d / "consolidated.pth").exists():
+        return torch.load(d / "consolidated.pth", map_location="cpu", weights_only=True, mmap=True)["model"]
+    idx = d / "model.safetensors.index.json"
+    files = sorted(set(json.loads(idx.read_text())["weight_map"].values())) if idx.exists() else ["model.safetensors"]
+    out = {}
+    for name in files:
+        with safe_open(str(d / name), "pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys()})
+    return out
 
-    ia, ib = index(a), index(b)
-    if ia.keys() != ib.keys():
+
+def compare_outputs(a: Path, b: Path) -> bool:
+    """Tensor-by-tensor equality of two consolidated outputs (a tied lm_head may be stored once)."""
+    import torch
+
+    ta, tb = read_outputs(a), read_outputs(b)
+    if ta.keys() - tb.keys() or tb.keys() - ta.keys() - {"lm_head.weight"}:
         return False
-    for key in ia:
-        with safe_open(str(ia[key]), "pt") as fa, safe_open(str(ib[key]), "pt") as fb:
-            if not torch.equal(fa.get_tensor(key), fb.get_tensor(key)):
-                return False
-    return True
+    return all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def largest_tensor_bytes(d: Path) -> int:
+    """Bytes of the largest tensor of a consolidated safetensors directory (from the headers)."""
+    import struct
+
+    biggest = 0
+    for f in d.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        biggest = max([biggest] + [e["data_offsets"][1] - e["data_offsets"][0] for e in header.values()])
+    return biggest
+
+
+PATHS = {  # ours -> (input format, reference path for that format)
+    "ours": ("safetensors (ours)", "reference"),
+    "ours_pth": ("torch_xla .pth", "reference_pth"),
+    "ours_bin": ("Trainer .bin", "reference"),
+}
 
 
 def main() -> None:
-    """As a child do one piece; as the parent make the rank files once, run the three paths, print the report."""
+    """As a child do one piece; as the parent make the rank files once, run every path, print the report."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="/tmp/hf_xla_fsdp_bench_consolidate")
     p.add_argument("--world-size", type=int, default=8)
@@ -188,8 +243,10 @@ def main() -> None:
         return child(args)
     work = Path(args.workdir)
     me = [__file__, "--workdir", work, "--world-size", args.world_size]
+    last = work / "xla" / f"final_ckpt_rank-{args.world_size - 1:08d}-of-{args.world_size:08d}.pth"
     first_meta = work / "ours" / f"rank-00000-of-{args.world_size:05d}.json"
-    if not (work / "ours" / "checkpoint_complete.json").exists() or "checksums" not in json.loads(first_meta.read_text()):
+    if not ((work / "ours" / "checkpoint_complete.json").exists() and last.exists()
+            and "checksums" in json.loads(first_meta.read_text())):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         for rank in range(args.world_size):
@@ -199,9 +256,8 @@ def main() -> None:
 
         commit_checkpoint(work / "ours", args.world_size)
     results = {}
-    for stale in ("out_reference", "out_ours", "out_ours_trainer"):
-        shutil.rmtree(work / stale, ignore_errors=True)
-    for kind in ("reference", "ours", "ours_trainer_files"):
+    for kind in ("reference", "reference_pth", *PATHS):
+        shutil.rmtree(work / f"out_{kind}", ignore_errors=True)
         # ours must work without torch_xla; transformers would import it with any model class otherwise
         env = {"USE_TORCH_XLA": "0"} if kind.startswith("ours") else None
         results[kind] = run_json_child([*me, "--child", kind], name=kind, env=env)
@@ -215,23 +271,40 @@ def main() -> None:
     assert variants
     best = {kind: min(values) for kind, values in timings.items()}
     model_bytes = sum(f.stat().st_size for f in (work / "out_reference").glob("*.safetensors"))
-    ours, ref = results["ours"], results["reference"]
-    report = {
-        "world_size": args.world_size, "model_mib": mib(model_bytes),
-        "torch_import_rss_mib": mib(ours["torch_import_rss"]),
-        "reference": {"peak_rss_mib": mib(ref["peak_rss"]), "baseline_rss_mib": mib(ref["baseline_rss"]), "seconds": ref["seconds"],
-                      "process_seconds": ref["process_seconds"], "above_torch_import_mib": mib(ref["peak_rss"] - ref["torch_import_rss"])},
-        "ours": {"peak_rss_mib": mib(ours["peak_rss"]), "baseline_rss_mib": mib(ours["baseline_rss"]),
-                 "above_torch_import_mib": mib(ours["peak_rss"] - ours["torch_import_rss"]),
-                 "seconds": ours["seconds"], "process_seconds": ours["process_seconds"], "imported_torch_xla": ours["imported_torch_xla"]},
-        "ours_from_trainer_files": {"peak_rss_mib": mib(results["ours_trainer_files"]["peak_rss"]),
-                                    "seconds": results["ours_trainer_files"]["seconds"]},
-        "target_peak_mib": mib(0.5 * 2**30 + model_bytes / args.world_size),
-        "rss_ratio_reference_over_ours": round(ref["peak_rss"] / ours["peak_rss"], 2),
-        "process_time_ratio_reference_over_ours": round(ref["process_seconds"] / ours["process_seconds"], 2),
-        "outputs_identical": compare_outputs(work / "out_ours", work / "out_reference")
-        and compare_outputs(work / "out_ours_trainer", work / "out_reference"),
+    largest = largest_tensor_bytes(work / "out_reference")
+    target = 128 * 2**20 + largest
+
+    def above(r: dict) -> int:
+        return r["peak_rss"] - r["torch_import_rss"]
+
+    report: dict[str, Any] = {
+        "world_size": args.world_size, "model_mib": mib(model_bytes), "largest_tensor_mib": mib(largest),
+        "torch_import_rss_mib": mib(results["ours"]["torch_import_rss"]),
+        "target_above_torch_import_mib": mib(target),
     }
+    for kind in ("reference", "reference_pth"):
+        r = results[kind]
+        report[kind] = {"peak_rss_mib": mib(r["peak_rss"]), "above_torch_import_mib": mib(above(r)),
+                        "seconds": r["seconds"], "process_seconds": r["process_seconds"]}
+    all_ok = True
+    for kind, (fmt, ref_kind) in PATHS.items():
+        r, ref = results[kind], results[ref_kind]
+        entry = {
+            "input": fmt, "reference": ref_kind, "peak_rss_mib": mib(r["peak_rss"]),
+            "above_torch_import_mib": mib(above(r)), "above_imports_mib": mib(r["peak_rss"] - r["baseline_rss"]),
+            "seconds": r["seconds"], "process_seconds": r["process_seconds"],
+            "imported_torch_xla": r["imported_torch_xla"],
+            "above_torch_import_ratio_reference_over_ours": round(above(ref) / above(r), 2),
+            "peak_ratio_reference_over_ours": round(ref["peak_rss"] / r["peak_rss"], 2),
+            "process_time_ratio_reference_over_ours": round(ref["process_seconds"] / r["process_seconds"], 2),
+            "within_memory_target": above(r) <= target,
+            "at_least_5x_below_reference": above(ref) >= 5 * above(r),
+            "output_identical_to_reference": compare_outputs(work / f"out_{kind}", work / f"out_{ref_kind}"),
+        }
+        all_ok &= entry["within_memory_target"] and entry["at_least_5x_below_reference"] \
+            and entry["output_identical_to_reference"] and not entry["imported_torch_xla"]
+        report[kind] = entry
+    report["all_targets_met"] = all_ok
     report["checksums"] = {
         "consolidation_seconds": timings, "best_seconds": best,
         "crc32c_overhead_percent": round(100 * (best["crc32c"] / best["unverified"] - 1), 1),
@@ -240,12 +313,6 @@ def main() -> None:
         and compare_outputs(work / "out_ours_crc32", work / "out_ours"),
     }
     report["checksum_overhead_within_10_percent"] = best["crc32c"] <= 1.10 * best["unverified"]
-    report["ours_within_peak_target"] = ours["peak_rss"] <= 0.5 * 2**30 + model_bytes / args.world_size
-    report["ours_above_torch_import_within_target"] = (
-        ours["peak_rss"] - ours["torch_import_rss"] <= 0.5 * 2**30 + model_bytes / args.world_size)
-    report["ours_at_least_5x_below_reference"] = report["rss_ratio_reference_over_ours"] >= 5
-    # whole processes, imports included: what a user waits for; ours also fsyncs every file it writes
-    report["ours_not_slower"] = ours["process_seconds"] <= ref["process_seconds"]
     print(json.dumps(report, indent=2))
 
 

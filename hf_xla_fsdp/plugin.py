@@ -103,6 +103,10 @@ class XlaFsdpPlugin:
     consolidate_max_shard_size: Union[int, str] = setting("5GB", "largest safetensors file of consolidated models")
     merge_adapters: bool = setting(False, "PEFT models: the final save writes the full model with the LoRA updates "
                                           "merged in, instead of peft's adapter files")
+    save_on_preemption: bool = setting(True, "on SIGTERM (a preemptible TPU VM about to stop), save a checkpoint at "
+                                             "the next step boundary and stop cleanly: XlaFsdpTrainer when "
+                                             "save_strategy is not 'no' (then exits with code 0); XlaFsdpAccelerator "
+                                             "through accelerator.preempted")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # the simple types, from the field descriptions

@@ -209,3 +209,45 @@ def test_mixed_precision_becomes_the_compute_dtype_never_autocast(monkeypatch):
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     with pytest.raises(ConfigError, match="fp8 cannot be honoured"):
         XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin())
+
+
+def test_sigterm_sets_preempted_save_state_says_so_and_handlers_are_restored(tmp_path, caplog):
+    import logging
+    import os
+    import signal
+
+    from accelerate.utils import ProjectConfiguration
+
+    calls = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))  # a handler of "the user's"
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        off = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(save_on_preemption=False))
+        assert off.preempted is False and signal.getsignal(signal.SIGTERM) is previous  # nothing installed
+        project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+        accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(), project_config=project)
+        assert signal.getsignal(signal.SIGTERM) is previous  # armed only by the first read of .preempted
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(tiny_gpt2())
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(decay_groups(model), lr=1e-2))
+        stopped_at, saved = None, None
+        for step, ids in enumerate(batches(accelerator.device, n=4), start=1):
+            train(accelerator, model, optimizer, [ids])
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # a real signal, while "step 2" ends
+            if accelerator.preempted:
+                with caplog.at_level(logging.WARNING, logger="hf_xla_fsdp"):
+                    saved = accelerator.save_state(step=step)
+                stopped_at = step
+                break
+        assert stopped_at == 2 and calls == []  # recorded, not passed on
+        assert saved == str(tmp_path / "checkpoints" / "checkpoint_0")
+        assert (tmp_path / "checkpoints" / "checkpoint_0" / "checkpoint_complete.json").is_file()
+        said = [r.getMessage() for r in caplog.records if "SIGTERM received" in r.getMessage()]
+        assert len(said) == 1 and f"saved checkpoint {saved} at step 2" in said[0], said
+        os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM: the previous handler's effect
+        assert calls == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is previous
+        accelerator.end_training()
+        assert signal.getsignal(signal.SIGTERM) is previous
+    finally:
+        signal.signal(signal.SIGTERM, before)

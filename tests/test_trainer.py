@@ -79,6 +79,58 @@ def test_resume_reproduces_the_uninterrupted_losses(trained, tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_saves_at_the_next_step_exits_0_and_resume_matches(trained, tmp_path):
+    import re
+    import shutil
+    import signal
+    import time
+
+    from helpers import xla_env
+
+    out = tmp_path / "preempted"
+    cmd = [sys.executable, str(SCRIPT), *COMMON, "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=xla_env(devices=1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines, seen, sent = [], 0, False
+    deadline = time.monotonic() + 900
+    for line in proc.stdout:  # the loss of every step is logged (logging_steps=1)
+        lines.append(line)
+        seen += "'loss'" in line or '"loss"' in line
+        if seen >= 3 and not sent:
+            proc.send_signal(signal.SIGTERM)  # while step 4 (or a later one) runs
+            sent = True
+        assert time.monotonic() < deadline, "".join(lines[-30:])
+    rc = proc.wait(timeout=60)
+    log = "".join(lines)
+    assert sent and rc == 0, log[-3000:]
+    found = re.findall(r"SIGTERM received: saved checkpoint (\S+checkpoint-(\d+)) at step (\d+)", log)
+    assert len(found) == 1, log[-3000:]
+    path, step = Path(found[0][0]), int(found[0][1])
+    assert path == out / f"checkpoint-{step}" and int(found[0][2]) == step and 3 <= step < 20, found
+    assert (path / "checkpoint_complete.json").is_file()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted({f"checkpoint-{step}"} | (
+        {"checkpoint-10"} if step >= 10 else set()))
+    assert not (out / "model.safetensors").exists()  # it stopped: no final save_model / evaluate ran
+    full = losses(trained)
+    assert losses(path) == {s: full[s] for s in range(1, step + 1)}
+    # resume from it (logged losses marked, so a silent restart from scratch would show) and finish the run
+    ckpt = tmp_path / f"checkpoint-{step}"
+    shutil.copytree(path, ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    for entry in state["log_history"]:
+        entry["loss"] = -1.0
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    resumed = tmp_path / "resumed"
+    res = run_clm(resumed, "--resume_from_checkpoint", str(ckpt))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    again = losses(resumed)
+    assert {again[s] for s in range(1, step + 1)} == {-1.0}
+    # the same XLA:CPU computations in the same order: the uninterrupted losses, bit for bit
+    assert {s: again[s] for s in range(step + 1, 21)} == {s: full[s] for s in range(step + 1, 21)}
+    assert "SIGTERM" not in res.stdout + res.stderr
+
+
+@pytest.mark.slow
 def test_output_dir_loads_with_from_pretrained(trained):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

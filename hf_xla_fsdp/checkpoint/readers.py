@@ -4,8 +4,8 @@ A rank file holds its tensors in one of two layouts, named in its metadata under
 
 * ``"xla_fsdp_v1"`` (flat shards): FSDP v1's per-rank state dict, each parameter flattened, padded
   and cut into equal rank shards, described by ``shard_metadata``; also torch_xla's and the
-  Trainer's pickled files (a dict with ``"model"`` and ``"shard_metadata"``, loaded with
-  ``torch.load(weights_only=True, mmap=True)``);
+  Trainer's pickled files (a dict with ``"model"`` and ``"shard_metadata"``, parsed without running
+  anything in them and read tensor by tensor with positional reads, see :mod:`.torch_zip`);
 * ``"spmd"`` (pieces): FSDP v2's slices, every tensor stored as the pieces this process's devices
   held, each with its start/stop offsets in the full tensor (``meta["tensors"]``).
 
@@ -27,6 +27,7 @@ from ..errors import CheckpointError
 from .checksums import TensorVerifier, note_unverified, table_digest
 from .layout import COMPLETE_MARKER, FORMAT, MODEL_PREFIX, OPTIM_PREFIX, rank_file_stem, read_marker, safe_member
 from .safetensors_io import SafetensorsReader, dtype_from_name
+from .torch_zip import StoredTensor, TorchZipArchive
 
 LAYOUT_FLAT = "xla_fsdp_v1"
 LAYOUT_PIECES = "spmd"
@@ -128,6 +129,14 @@ class RankFile:
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` (dim 0) of one tensor, reading no more than those rows."""
         return self.get(name)[start:stop]
+
+    def read_rows_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows ``start:stop`` (dim 0) of one tensor copied into ``out`` (a contiguous tensor of their shape)."""
+        rows = self.get_rows(name, start, stop)
+        if tuple(rows.shape) != tuple(out.shape):
+            raise CheckpointError(f"{self.path}: rows {start}:{stop} of {name} have shape {tuple(rows.shape)}, "
+                                  f"{tuple(out.shape)} expected")
+        out.copy_(rows)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of one tensor without reading it."""
@@ -248,53 +257,85 @@ class SafetensorsRankFile(RankFile):
 
 
 class TorchRankFile(RankFile):
-    """torch_xla's pickled formats, loaded with ``weights_only=True`` (memory-mapped)."""
+    """torch_xla's ``.pth`` and the Trainer's ``.bin`` rank files (``torch.save`` zip archives).
+
+    The pickle is parsed by a restricted unpickler (only tensors, ``torch.Size``, dtypes and plain
+    containers; nothing in the file is executed) and each tensor is read with positional reads of
+    exactly its bytes when asked for, so memory holds only the tensors being assembled (see
+    :mod:`.torch_zip`; ``torch.load(mmap=True)`` kept every touched page of every file resident).
+    """
 
     def __init__(self, path: Path):
-        try:
-            ckpt = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-        except Exception as err:
-            first = str(err).splitlines()[0] if str(err) else ""
-            raise CheckpointError(
-                f"{path} is truncated, corrupted or not a safe torch file ({type(err).__name__}: {first})") from None
-        if not isinstance(ckpt, dict) or "shard_metadata" not in ckpt or "model" not in ckpt:
+        self._archive = TorchZipArchive(path)
+        ckpt = self._archive.obj
+        if not isinstance(ckpt, dict) or "shard_metadata" not in ckpt or not isinstance(ckpt.get("model"), dict):
             raise CheckpointError(f"{path} is not an FSDP rank checkpoint (no 'model' and 'shard_metadata' entries)")
         md = ckpt["shard_metadata"]
         if not isinstance(md, dict) or not all(k in md for k in ("shard_info", "flatten_info", "world_size", "rank")):
             raise CheckpointError(f"{path} has an incomplete shard_metadata (needs shard_info, flatten_info, world_size, rank)")
-        self._tensors = {MODEL_PREFIX + k: v for k, v in ckpt["model"].items()}
+        self._tensors: dict[str, StoredTensor] = {}
+        for key, value in ckpt["model"].items():
+            if not isinstance(value, StoredTensor):
+                raise CheckpointError(f"{path} is not an FSDP rank checkpoint: its model entry {key!r} is not a tensor")
+            self._tensors[MODEL_PREFIX + str(key)] = value
         optimizer = ckpt.get("optimizer") or {}
+        if not isinstance(optimizer, dict):
+            raise CheckpointError(f"{path} has an 'optimizer' entry that is not an optimizer state dict")
         for idx, state in (optimizer.get("state") or {}).items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
+            for key, value in (state.items() if isinstance(state, dict) else ()):
+                if isinstance(value, StoredTensor):
                     self._tensors[f"{OPTIM_PREFIX}{idx}/{key}"] = value
         meta = {"optimizer": {"param_groups": optimizer.get("param_groups")}} if optimizer else {}
-        super().__init__(path, int(md["rank"]), int(md["world_size"]), md, meta)
+        try:
+            rank, world = int(md["rank"]), int(md["world_size"])
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{path} has a shard_metadata whose rank or world_size is not a number") from None
+        super().__init__(path, rank, world, md, meta)
 
     def names(self) -> list[str]:
         return list(self._tensors)
 
+    def _stored(self, name: str) -> StoredTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path} has no tensor {name}") from None
+
     def get(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+        return self._archive.read(self._stored(name))
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._archive.read(self._stored(name), start, stop)
+
+    def read_rows_into(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        self._archive.read(self._stored(name), start, stop, out=out)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._stored(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._stored(name).dtype
 
 
 def gather_rows(files: list[RankFile], name: str, start: int, stop: int) -> torch.Tensor:
     """Rows ``start:stop`` of the concatenation (dim 0) of tensor ``name`` over ``files`` in rank order.
 
-    Reads only the overlapping rows of each file; rows past the end of the concatenation (the
-    padding of a larger world) come back as zeros.
+    Reads only the overlapping rows of each file, each straight into its place in the result (one
+    allocation: no pieces held beside a concatenated copy); rows past the end of the concatenation
+    (the padding of a larger world) come back as zeros.
     """
-    per_rank = files[0].shape(name)[0]
-    pieces = []
+    shape, dtype = files[0].shape(name), files[0].dtype(name)
+    per_rank = shape[0]
+    out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+    pos = 0
     for k, f in enumerate(files):
         lo, hi = max(start, k * per_rank), min(stop, (k + 1) * per_rank)
         if lo < hi:
-            pieces.append(f.get_rows(name, lo - k * per_rank, hi - k * per_rank))
-    have = sum(p.shape[0] for p in pieces)
-    if have < stop - start:
-        shape = (stop - start - have, *files[0].shape(name)[1:])
-        pieces.append(torch.zeros(shape, dtype=files[0].dtype(name)))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+            f.read_rows_into(name, lo - k * per_rank, hi - k * per_rank, out[pos: pos + hi - lo])
+            pos += hi - lo
+    if pos < stop - start:
+        out[pos:].zero_()
+    return out
 
 
 def open_rank_file(path: Path) -> RankFile:

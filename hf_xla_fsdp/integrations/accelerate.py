@@ -18,7 +18,8 @@ script written for ``Accelerator`` runs with one swapped import:
 * gradients are never all-reduced again after FSDP's reduce-scatter (so ``optimizer.step()`` stays
   a plain step, never ``xm.optimizer_step``) and ``clip_grad_norm_``'s norm spans every rank's shards;
 * ``save_state``/``load_state`` write and read sharded rank checkpoints (automatic naming and
-  rotation of ``ProjectConfiguration``, registered objects included); ``get_state_dict`` returns the
+  rotation of ``ProjectConfiguration``, registered objects included); ``accelerator.preempted`` turns
+  True once SIGTERM has arrived, for a save at the next step boundary; ``get_state_dict`` returns the
   full state dict with the original names, and ``unwrap_model(model).save_pretrained(...)`` and
   ``save_model`` write a ``from_pretrained``-ready directory.
 """
@@ -41,6 +42,7 @@ from accelerate import Accelerator
 from ..engines import engine_for, engine_of, is_wrapped, unwrap
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin, read_accelerate_yaml
+from .preemption import PreemptionGuard
 
 ENV_CONFIG = "HF_XLA_FSDP_ACCELERATE_CONFIG"
 
@@ -168,6 +170,29 @@ class XlaFsdpAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         self.xla_fsdp_plugin = plugin
         self._moved_params: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> its sharded parameter
+        self._preemption: Optional[PreemptionGuard] = None
+
+    # ----------------------------------------------------------------- preemption
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM has arrived (``save_on_preemption``, on by default): save_state() and stop.
+
+        Read it at a step boundary (after ``optimizer.step()``). The first read installs the SIGTERM handler
+        (main thread only), so a script that never reads it keeps SIGTERM's usual effect; a second SIGTERM
+        has it too. ``end_training()`` restores the previous handler.
+        """
+        if not self.xla_fsdp_plugin.save_on_preemption:
+            return False
+        if self._preemption is None:
+            self._preemption = PreemptionGuard()
+            self._preemption.install()
+        return self._preemption.received
+
+    def end_training(self) -> None:
+        """accelerate's ``end_training`` (trackers); also gives SIGTERM its previous handler back."""
+        if self._preemption is not None:
+            self._preemption.restore()
+        super().end_training()
 
     # ----------------------------------------------------------------- models and optimizers
     def build_model(self, source: Any, **kwargs: Any) -> torch.nn.Module:
@@ -307,6 +332,10 @@ class XlaFsdpAccelerator(Accelerator):
         save_checkpoint(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(),
                         step=self.step if step is None else step, plugin=self.xla_fsdp_plugin, extra=extra,
                         barrier=lambda tag: self.wait_for_everyone(), before_commit=add_custom_objects)
+        if self._preemption is not None and self._preemption.received:
+            logger.warning("%s received: saved checkpoint %s at step %s; stop now and resume with "
+                           "accelerator.load_state(%s)", self._preemption.signal_name, output_dir,
+                           self.step if step is None else step, "" if config.automatic_checkpoint_naming else f"'{output_dir}'")
         if config.automatic_checkpoint_naming:
             config.iteration += 1
             if config.total_limit is not None and self.is_main_process:

@@ -31,11 +31,12 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, Trainer, TrainingArguments
+from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
 from ..engines import engine_for, engine_of, is_wrapped, unwrap
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
+from .preemption import PreemptionGuard
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,25 @@ def original_parameter_names(model: nn.Module) -> dict[str, str]:
     return engine_of(model).original_names(model)
 
 
+class PreemptionCallback(TrainerCallback):
+    """Once SIGTERM has arrived, the step that ends saves a checkpoint and training stops (``save_on_preemption``)."""
+
+    def __init__(self, guard: PreemptionGuard):
+        self.guard = guard
+        self.step: Optional[int] = None  # the step whose end saw the signal
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
+        """At the step boundary after the signal: save, then stop."""
+        if self.guard.received and self.step is None:
+            self.step = state.global_step
+            logger.warning("%s received: saving a checkpoint at step %d, then stopping", self.guard.signal_name,
+                           state.global_step)
+        if self.step is not None:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
 class XlaFsdpTrainerMixin:
     """XLA FSDP for a ``transformers.Trainer`` or any subclass of it (TRL's trainers included).
 
@@ -230,6 +250,28 @@ class XlaFsdpTrainerMixin:
         if not isinstance(model, unit_classes()):  # blocks sharded by a meta build, root left for after __init__
             return wrap_root(model, self.xla_fsdp_plugin)
         return model
+
+    # ----------------------------------------------------------------- training, preemption-aware
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; with ``save_on_preemption`` (and checkpoints on), SIGTERM saves ``checkpoint-N`` at the
+        next step boundary, stops training, logs where it saved and exits the process with code 0."""
+        save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
+        guard = PreemptionGuard()
+        if not (self.xla_fsdp_plugin.save_on_preemption and save_strategy != "no" and guard.install()):
+            return super().train(*args, **kwargs)
+        callback = PreemptionCallback(guard)
+        self.add_callback(callback)
+        try:
+            result = super().train(*args, **kwargs)
+        finally:
+            guard.restore()
+            self.remove_callback(callback)
+        if callback.step is None:
+            return result
+        saved = getattr(self, "_xla_fsdp_last_checkpoint", None)
+        logger.warning("%s received: saved checkpoint %s at step %d and stopped training; resume with "
+                       "resume_from_checkpoint=%s", guard.signal_name, saved, self.state.global_step, saved)
+        raise SystemExit(0)
 
     def _shard_inputs(self, loader: Any) -> Any:
         return engine_for(self.xla_fsdp_plugin).prepare_loader(loader, self.xla_fsdp_plugin)
@@ -371,6 +413,7 @@ class XlaFsdpTrainerMixin:
                         plugin=self.xla_fsdp_plugin, extra={"trainer": True, **self._training_record()},
                         barrier=lambda tag: self.accelerator.wait_for_everyone(), before_commit=finish)
 
+        self._xla_fsdp_last_checkpoint = str(output_dir)
         if self.args.push_to_hub:
             self._push_from_checkpoint(str(output_dir))
         if self.args.should_save:
@@ -494,5 +537,5 @@ def xla_fsdp_trainer(trainer_cls: type) -> type:
 _start_spmd_with_training_arguments()
 _enable_spmd_at_import()
 
-__all__ = ["XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd_if_configured", "fsdp_config_from_argv",
+__all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd_if_configured", "fsdp_config_from_argv",
            "original_parameter_names", "plugin_from_training_args", "xla_fsdp_trainer"]
