@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -23,12 +24,39 @@ def _plugin_from_args(args: argparse.Namespace) -> XlaFsdpPlugin:
     return XlaFsdpPlugin()
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    """Print which blocks become FSDP units and the bytes each rank holds, without building anything."""
-    from .build.planning import plan
+def _plan_plugin(args: argparse.Namespace) -> XlaFsdpPlugin:
+    """The plugin of --fsdp-config / --accelerate-config with the plan's own flags applied on top."""
+    plugin = _plugin_from_args(args)
+    changes = {}
+    if args.activation_checkpointing:
+        changes["activation_checkpointing"] = True
+    if args.compute_dtype is not None:
+        changes["compute_dtype"] = None if args.compute_dtype == "float32" else args.compute_dtype
+    if args.engine_version is not None:
+        changes["version"] = args.engine_version
+    return dataclasses.replace(plugin, **changes) if changes else plugin
 
-    report = plan(args.model, _plugin_from_args(args), world_size=args.world_size)
-    print(json.dumps(report, indent=2))
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print which blocks become FSDP units and the bytes each rank holds, without building anything.
+
+    With ``--tpu SLICE``: the memory per chip of training on that slice, and whether it fits.
+    """
+    from .build.planning import plan
+    from .build.presets import is_preset, preset_config
+
+    plugin = _plan_plugin(args)
+    if args.tpu is None:
+        source = preset_config(args.model) if is_preset(args.model) else args.model
+        print(json.dumps(plan(source, plugin, world_size=args.world_size or 1), indent=2))
+        return 0
+    from .build.tpu import format_plan, plan_tpu
+
+    if args.world_size is not None:
+        raise ConfigError("--world-size and --tpu exclude each other: a slice has one FSDP rank per chip")
+    report = plan_tpu(args.model, plugin, args.tpu, batch_size=args.batch_size, seq_len=args.seq_len,
+                      optimizer=args.optimizer)
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0
 
 
@@ -91,8 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="show the FSDP units and per-rank memory of a model (built on meta only)")
-    p.add_argument("model", help="a local model directory or a config.json")
-    p.add_argument("--world_size", "--world-size", type=int, default=1, help="number of ranks to shard over")
+    p.add_argument("model", help="a local model directory, a config.json, or a preset name "
+                                 "(llama-2-7b, llama-2-13b, llama-2-70b, vit-10b, ...)")
+    p.add_argument("--world_size", "--world-size", type=int, default=None, help="number of ranks to shard over")
+    p.add_argument("--tpu", default=None, help="a TPU slice (v4-8, v5e-16, v5p-8, v6e-8, ...): memory per chip and "
+                                               "whether training fits")
+    p.add_argument("--batch-size", "--batch_size", type=int, default=1, help="with --tpu: samples per chip per step")
+    p.add_argument("--seq-len", "--seq_len", type=int, default=None,
+                   help="with --tpu: tokens per sample (default: max_position_embeddings up to 2048; ViT: its patches)")
+    p.add_argument("--activation-checkpointing", "--activation_checkpointing", action="store_true")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "adafactor"],
+                   help="with --tpu: whose state to count (sgd: torch's default, no momentum)")
+    p.add_argument("--compute-dtype", "--compute_dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--version", "--fsdp-version", dest="engine_version", type=int, default=None,
+                   choices=[1, 2], help="FSDP engine: 1 (XlaFullyShardedDataParallel) or 2 (SPMD)")
+    p.add_argument("--json", action="store_true", help="with --tpu: one JSON object (top level has 'fits')")
     p.add_argument("--fsdp_config", "--fsdp-config", help="transformers-style fsdp_config JSON")
     p.add_argument("--accelerate_config", "--accelerate-config", help="accelerate YAML with an fsdp_config: mapping")
     p.set_defaults(func=cmd_plan)
