@@ -132,8 +132,7 @@ def child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch_xla
     import torch_xla.debug.metrics as met
     from run_clm import load_data, parse_args
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator,
-                              set_seed)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback, default_data_collator, set_seed
 
     from hf_xla_fsdp import XlaFsdpTrainer
 
