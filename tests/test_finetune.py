@@ -210,7 +210,7 @@ def test_sft_trainer_with_one_swapped_import(tmp_path, engine, use_peft):
     # the saved model (full or adapters) reloads and, evaluated by the stock SFTTrainer on the CPU, gives the
     # trainer's eval loss (fp32 on both sides: TRL's default bf16 autocast breaks CPU SDPA, so it is off there)
     assert (out / "adapter_model.safetensors").is_file() == use_peft and (out / "model.safetensors").is_file() != use_peft
-    stock = dict(env)
+    stock = dict(env, CPU_NUM_DEVICES="1")  # stock transformers on the CPU: one device, no SPMD
     stock.pop("USE_HF_XLA_FSDP")
     check = subprocess.run(cmd[:2] + ["--model_name_or_path", str(pre / "llama"), "--output_dir", str(tmp_path / "eval"),
                                       "--evaluate_saved", str(out), "--use_cpu", "--report_to", "none",

@@ -288,13 +288,21 @@ class XlaFsdpTrainerMixin:
         """Trainer's loader; with FSDP v2 its batches are split over every device."""
         return self._shard_inputs(super().get_test_dataloader(test_dataset))
 
+    def _transformers_model(self) -> nn.Module:
+        """The transformers model inside the FSDP wrappers and, for a PEFT model, inside peft's (whose plain
+        ``PeftModel.forward(*args, **kwargs)`` names no column), as the stock Trainer inspects it."""
+        inner = unwrap(self.model)
+        if hasattr(inner, "get_base_model") and hasattr(inner, "peft_config"):
+            inner = inner.get_base_model()
+        return inner
+
     def _inspect_inner_model(self) -> None:
         """Label names and loss support from the transformers model, not from its FSDP wrapper's class."""
         from transformers.utils import can_return_loss, find_labels
 
         if self.model is None:
             return
-        inner = type(unwrap(self.model))
+        inner = type(self._transformers_model())
         if self.args.label_names is None:
             self.label_names = find_labels(inner)
         self.can_return_loss = can_return_loss(inner)
@@ -302,7 +310,7 @@ class XlaFsdpTrainerMixin:
     def _set_signature_columns_if_needed(self) -> None:
         if self._signature_columns is None:
             # FSDP's forward(*args, **kwargs) hides the columns the model really takes
-            self._signature_columns = list(inspect.signature(unwrap(self.model).forward).parameters)
+            self._signature_columns = list(inspect.signature(self._transformers_model().forward).parameters)
             self._signature_columns += list({"label", "label_ids", *self.label_names})
 
     # ----------------------------------------------------------------- the model
