@@ -63,3 +63,22 @@ def test_build_large_model_plan_and_small_build():
     # rank 0 holds a quarter of the parameters (plus padding to a multiple of 128 per tensor)
     assert built["total_bytes"] / 4 <= built["rank_param_mib"] * 2**20 * 1.001 < built["total_bytes"] / 4 * 1.2
     assert built["peak_rss_mib"] >= built["rss_before_build_mib"]
+
+
+def test_build_large_model_recipe_plans_builds_trains_and_saves(tmp_path):
+    # the whole recipe where every rank is present (world 1): plan for a slice, build, one step, sharded save
+    res = run_python([EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--tpu", "v5e-1", "--world_size", "1",
+                      "--build", "--train_step", "--compute_dtype", "float32", "--save_dir", tmp_path / "ckpt"])
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    assert out["tpu_plan"]["fits"] is True and out["tpu_plan"]["slice"] == "v5e-1"
+    assert out["train_step_loss"] > 0 and out["saved"]["complete"]
+    assert (tmp_path / "ckpt" / "checkpoint_complete.json").is_file()
+    # an emulated rank of 4: the step is skipped (it needs the other ranks), its own rank file is written
+    res = run_python([EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--world_size", "4", "--rank", "2",
+                      "--build", "--train_step", "--save_dir", tmp_path / "emulated"])
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout[res.stdout.index("{"):])
+    assert out["built_rank"] == 2 and out["train_step"].startswith("skipped: rank 2 of 4")
+    assert out["saved"]["complete"] is False and out["saved"]["rank_file"].endswith(".safetensors")
+    assert not (tmp_path / "emulated" / "checkpoint_complete.json").exists()
