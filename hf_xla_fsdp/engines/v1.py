@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -35,9 +34,6 @@ from .base import Engine, RankState, Restored
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
-
-
-_SHARD_PATCH_LOCK = threading.RLock()
 
 
 def host_shard(full: torch.Tensor, world: int, rank: int, multiple: int, on_dim0: bool) -> torch.Tensor:
@@ -96,23 +92,20 @@ def shard_on_host(module: nn.Module, plugin: "XlaFsdpPlugin") -> Iterator[None]:
                 sources[id(handle)] = p.detach()
             mod._parameters[name] = handle
     p = handle = None  # drop the loop's references: each host tensor must go as soon as its shard is cut
+    original = FSDP._get_shard
 
     def get_shard(self: Any, tensor: torch.Tensor) -> torch.Tensor:
         full = sources.pop(id(tensor), None)
         if full is None:
-            return unpatched(self, tensor)
+            return original(self, tensor)
         return host_shard(full, self.world_size, self.rank, self._shard_size_multiple, self._shard_param_on_dim_0)
 
-    # the patch is on the class: wraps in other threads (xmp.spawn runs threads on CPU) wait their turn, so none
-    # sees another's patch removed under it
-    with _SHARD_PATCH_LOCK:
-        unpatched = FSDP._get_shard  # read by get_shard when called, inside this block only
-        FSDP._get_shard = get_shard
-        try:
-            yield
-        finally:
-            FSDP._get_shard = unpatched
-            sources.clear()
+    FSDP._get_shard = get_shard
+    try:
+        yield
+    finally:
+        FSDP._get_shard = original
+        sources.clear()
 
 
 class XlaFsdpV1(Engine):
