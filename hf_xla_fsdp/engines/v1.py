@@ -8,10 +8,9 @@ rows of each saved shard that the new shard covers.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -34,79 +33,6 @@ from .base import Engine, RankState, Restored
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
-
-
-def host_shard(full: torch.Tensor, world: int, rank: int, multiple: int, on_dim0: bool) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``full``, cut on the host exactly as ``XlaFullyShardedDataParallel._get_shard``.
-
-    That method pads the whole flattened tensor (a full-size copy) and slices it; here only the slice
-    is copied and only its own padding (zeros, as ``F.pad``) appended.
-    """
-    if on_dim0:
-        rows = -(-full.shape[0] // world)
-        part = full[rank * rows:(rank + 1) * rows]
-        missing = rows - part.shape[0]
-        pad_shape = (missing, *full.shape[1:])
-    else:
-        flat = full.reshape(-1)
-        local = -(-flat.numel() // (world * multiple)) * multiple
-        part = flat[rank * local:(rank + 1) * local]
-        missing = local - part.numel()
-        pad_shape = (missing,)
-    if missing:
-        return torch.cat([part, part.new_zeros(pad_shape)])
-    return part.clone()
-
-
-@contextlib.contextmanager
-def shard_on_host(module: nn.Module, plugin: "XlaFsdpPlugin") -> Iterator[None]:
-    """Let ``XlaFullyShardedDataParallel(module)`` take each host parameter's shard without a full device copy.
-
-    Inside its ``__init__`` FSDP copies every full parameter to the XLA device before replacing it by a
-    placeholder, and pads the whole tensor on the host to cut the shard: about two units of transient
-    memory. Here the host parameters are swapped for lazy XLA views of one scalar, of the same
-    shape (FSDP keeps those as the full-parameter handles it all-gathers into later) and FSDP's shard
-    is cut from the host tensor, which is released as soon as its shard is taken. The shards are the
-    same bytes. Not used with ``flatten_parameters`` (the flat parameter is made from the handles).
-    """
-    if plugin.flatten_parameters:
-        yield
-        return
-    import torch_xla
-    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
-
-    device = torch_xla.device()
-    sources: dict[int, torch.Tensor] = {}
-    handles: dict[int, nn.Parameter] = {}  # host parameter id -> its handle (tied parameters stay one object)
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or hasattr(p, "_is_sharded") or p.device.type != "cpu" or p.is_meta:
-                continue
-            handle = handles.get(id(p))
-            if handle is None:
-                # an expanded scalar: a lazy `torch.empty` handle would be materialized at full size by the
-                # next sync once FSDP replaced its data (measured: +1 unit of RSS per block)
-                handle = nn.Parameter(torch.zeros((), dtype=p.dtype, device=device).expand(p.shape),
-                                      requires_grad=p.requires_grad)
-                handles[id(p)] = handle
-                sources[id(handle)] = p.detach()
-            mod._parameters[name] = handle
-    p = handle = None  # drop the loop's references: each host tensor must go as soon as its shard is cut
-    original = FSDP._get_shard
-
-    def get_shard(self: Any, tensor: torch.Tensor) -> torch.Tensor:
-        full = sources.pop(id(tensor), None)
-        if full is None:
-            return original(self, tensor)
-        return host_shard(full, self.world_size, self.rank, self._shard_size_multiple, self._shard_param_on_dim_0)
-
-    FSDP._get_shard = get_shard
-    try:
-        yield
-    finally:
-        FSDP._get_shard = original
-        sources.clear()
-
 
 class XlaFsdpV1(Engine):
     """``XlaFullyShardedDataParallel`` (ZeRO-2 / ZeRO-3) over the replica processes."""
@@ -132,16 +58,12 @@ class XlaFsdpV1(Engine):
 
     def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
         block = self.checkpoint_block(block, plugin)
-        if not nested:
-            return block
-        with shard_on_host(block, plugin):
-            return self.unit_class()(block, **plugin.fsdp_kwargs())
+        return self.unit_class()(block, **plugin.fsdp_kwargs()) if nested else block
 
     def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
             model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
-        with shard_on_host(model, plugin):
-            return self.unit_class()(model, **plugin.fsdp_kwargs())
+        return self.unit_class()(model, **plugin.fsdp_kwargs())
 
     def reduce_norm(self, model: nn.Module, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         # each rank holds other shards: combine the local p-norms over the sharding group
