@@ -103,6 +103,10 @@ class XlaFsdpPlugin:
     consolidate_max_shard_size: Union[int, str] = setting("5GB", "largest safetensors file of consolidated models")
     merge_adapters: bool = setting(False, "PEFT models: the final save writes the full model with the LoRA updates "
                                           "merged in, instead of peft's adapter files")
+    async_save: bool = setting(False, "checkpoints (XlaFsdpTrainer, XlaFsdpAccelerator.save_state): the step waits only "
+                                      "for the copy of this rank's shard to host memory (one extra copy of it in host "
+                                      "RAM); writing, fsync and the completion marker run in a background thread, "
+                                      "and the next save, a load and the end of training wait for it")
     save_on_preemption: bool = setting(True, "on SIGTERM (a preemptible TPU VM about to stop), save a checkpoint at "
                                              "the next step boundary and stop cleanly: XlaFsdpTrainer when "
                                              "save_strategy is not 'no' (then exits with code 0); XlaFsdpAccelerator "

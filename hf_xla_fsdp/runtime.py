@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -25,6 +25,16 @@ def sync() -> None:
     import torch_xla
 
     torch_xla.sync()
+
+
+def fetch_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New host tensors with the values of XLA ``tensors``, in one batched transfer (pending work synced first)."""
+    import torch_xla
+
+    if not tensors:
+        return []
+    fetch = getattr(torch_xla._XLAC, "_xla_get_cpu_tensors", None)  # what xm._maybe_convert_to_cpu uses
+    return list(fetch(tensors)) if fetch is not None else [t.cpu() for t in tensors]
 
 
 def wait_device_ops() -> None:
@@ -94,11 +104,11 @@ def default_gather(tag: str, payload: bytes) -> list[bytes]:
 _MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 
 
-def _monitored_barrier(tag: str, timeout: float) -> None:
+def _monitored_barrier(tag: str, timeout: float, group: Any = None) -> None:
     import torch.distributed as dist
 
     try:
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
     except RuntimeError as err:
         found = _MISSING.search(str(err))
         if found:
@@ -108,23 +118,43 @@ def _monitored_barrier(tag: str, timeout: float) -> None:
         raise TimeoutError(f"{tag} failed on rank {dist.get_rank()}: {first}") from None
 
 
-def dist_barrier(timeout: float = 600.0) -> Callable[[str], None]:
-    """A barrier over the default torch.distributed process group that ends after ``timeout`` seconds."""
-    return lambda tag: _monitored_barrier(tag, timeout)
+def dist_barrier(timeout: float = 600.0, group: Any = None) -> Callable[[str], None]:
+    """A barrier over a torch.distributed process group (default: the default group) that ends after ``timeout``
+    seconds."""
+    return lambda tag: _monitored_barrier(tag, timeout, group)
 
 
-def dist_gather(timeout: float = 600.0) -> Callable[[str, bytes], list[bytes]]:
-    """Every rank's bytes on every rank, in rank order, over the default torch.distributed process group (as
-    ``xm.rendezvous``); after ``timeout`` seconds without every rank it ends, naming the missing ranks on rank 0."""
+def dist_gather(timeout: float = 600.0, group: Any = None) -> Callable[[str, bytes], list[bytes]]:
+    """Every rank's bytes on every rank, in rank order, over a torch.distributed process group (default: the
+    default group), as ``xm.rendezvous``; after ``timeout`` seconds without every rank it ends, naming the missing
+    ranks on rank 0."""
     def gather(tag: str, payload: bytes) -> list[bytes]:
         import torch.distributed as dist
 
-        _monitored_barrier(tag, timeout)  # every rank has arrived, or the missing ones are named
-        out: list[Optional[bytes]] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, payload)
+        _monitored_barrier(tag, timeout, group)  # every rank has arrived, or the missing ones are named
+        out: list[Optional[bytes]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, payload, group=group)
         return [b if b is not None else b"" for b in out]
 
     return gather
+
+
+_SAVE_GROUP: Any = None
+
+
+def thread_safe_collectives(timeout: float = 600.0
+                            ) -> Optional[tuple[Callable[[str], None], Callable[[str, bytes], list[bytes]]]]:
+    """A barrier and a gather that may run outside the training thread (a background save): torch.distributed's
+    over a gloo group of their own, created on first use (every rank must call this at the same point). None when
+    torch.distributed is not initialized."""
+    import torch.distributed as dist
+
+    global _SAVE_GROUP
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if _SAVE_GROUP is None:  # its own group: the training thread's collectives never interleave with the save's
+        _SAVE_GROUP = dist.new_group(backend="gloo")
+    return dist_barrier(timeout, _SAVE_GROUP), dist_gather(timeout, _SAVE_GROUP)
 
 
 def get_xla_rng_state() -> int:

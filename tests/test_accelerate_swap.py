@@ -152,8 +152,11 @@ def test_a_state_dict_of_another_model_is_refused_before_anything_is_written(tmp
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
 
 
-def test_save_state_automatic_naming_rotation_registered_objects_and_latest(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_state_automatic_naming_rotation_registered_objects_and_latest(tmp_path, async_save):
     from accelerate.utils import ProjectConfiguration
+
+    from hf_xla_fsdp.checkpoint import wait_for_pending_save
 
     class Counter:
         def __init__(self):
@@ -166,7 +169,7 @@ def test_save_state_automatic_naming_rotation_registered_objects_and_latest(tmp_
             self.seen = int(state["seen"])
 
     project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
-    accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(), project_config=project)
+    accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(async_save=async_save), project_config=project)
     counter = Counter()
     accelerator.register_for_checkpointing(counter)
     torch.manual_seed(0)
@@ -177,6 +180,8 @@ def test_save_state_automatic_naming_rotation_registered_objects_and_latest(tmp_
         train(accelerator, model, optimizer, [ids])
         counter.seen += 1
         accelerator.save_state()
+    counter.seen = 99  # changed after the call: the checkpoint holds the value save_state saw (3)
+    wait_for_pending_save()  # an async save_state may still be writing checkpoint_2
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["checkpoint_1", "checkpoint_2"]  # total_limit=2: checkpoint_0 rotated out
     latest = tmp_path / "checkpoints" / "checkpoint_2"

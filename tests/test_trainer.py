@@ -276,12 +276,22 @@ def test_sharded_plus_consolidated_checkpoints_load_and_resume(tmp_path, llama_c
     model = AutoModelForCausalLM.from_pretrained(ckpt)
     assert next(model.parameters()).dtype == torch.bfloat16
     first = losses(tmp_path / "a" / "checkpoint-4")
-    resumed = XlaFsdpTrainer(model=llama_config, args=make_args(tmp_path / "b", cfg, save_strategy="steps",
-                                                                 save_steps=2, max_steps=4),
+    # the resumed run saves in the background (async_save): published by the time train() returns, same weights
+    resumed = XlaFsdpTrainer(model=llama_config, args=make_args(tmp_path / "b", {**cfg, "async_save": True},
+                                                                 save_strategy="steps", save_steps=2, max_steps=4),
                              train_dataset=token_dataset())
     resumed.train(resume_from_checkpoint=str(ckpt))
     again = {e["step"]: e["loss"] for e in resumed.state.log_history if "loss" in e}
     assert again[3] == pytest.approx(first[3], abs=1e-6) and again[4] == pytest.approx(first[4], abs=1e-6)
+    assert (tmp_path / "b" / "checkpoint-4" / "checkpoint_complete.json").is_file()
+    assert losses(tmp_path / "b" / "checkpoint-4")[4] == again[4]  # the trainer state as of step 4
+    assert not [p for p in (tmp_path / "b").iterdir() if p.name.startswith(".")]  # no staging left
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / d / "checkpoint-4" / "rank-00000-of-00001.safetensors") for d in "ab")
+    assert a.keys() == b.keys()
+    for name in a:  # fp32 shards and AdamW moments of step 4, not of an earlier or later moment
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
 
 
 V2_STOCK = ROOT / "tests" / "user_scripts" / "stock_trainer.py"

@@ -8,6 +8,7 @@ inspection run on any machine with torch.
 
 from __future__ import annotations
 
+from .background import wait_for_pending_save
 from .layout import COMPLETE_MARKER, FORMAT, MODEL_PREFIX, OPTIM_PREFIX, RNG_CPU, rank_file_stem, read_marker, staging_dir
 from .load import load_checkpoint, restore_rng_state
 from .readers import RankFile, RankSet, open_checkpoint, open_rank_file
@@ -16,5 +17,5 @@ from .save import commit_checkpoint, mark_complete, rank_world, save_checkpoint,
 __all__ = [
     "COMPLETE_MARKER", "FORMAT", "MODEL_PREFIX", "OPTIM_PREFIX", "RNG_CPU", "RankFile", "RankSet", "commit_checkpoint",
     "load_checkpoint", "mark_complete", "open_checkpoint", "open_rank_file", "rank_file_stem", "rank_world",
-    "read_marker", "restore_rng_state", "save_checkpoint", "staging_dir", "write_rank_file",
+    "read_marker", "restore_rng_state", "save_checkpoint", "staging_dir", "wait_for_pending_save", "write_rank_file",
 ]

@@ -35,7 +35,9 @@ def load_checkpoint(
     what the engine adds, e.g. ``saved_devices``).
     """
     from ..engines import engine_of
+    from .background import wait_for_pending_save
 
+    wait_for_pending_save()  # a save still being written in the background (maybe this one) ends first
     ckpt_dir = Path(ckpt_dir)
     engine = engine_of(model)
     marker = read_marker(ckpt_dir)
@@ -60,7 +62,9 @@ def restore_rng_state(ckpt_dir: Union[str, Path], model: nn.Module) -> None:
     After a world-size change rank r takes the state of saved rank ``r % saved_world_size``.
     """
     from ..engines import engine_of
+    from .background import wait_for_pending_save
 
+    wait_for_pending_save()
     ckpt_dir = Path(ckpt_dir)
     marker = read_marker(ckpt_dir)
     saved_world = int(marker["world_size"])

@@ -6,14 +6,18 @@ the file protocol here is the same for every engine: tensors streamed into ``ran
 metadata into ``rank-R-of-W.json`` (both fsync'd, and the directory), then a report per rank (file name,
 size, id, digests) gathered to rank 0, which writes ``checkpoint_complete.json`` from the reports alone
 (it never opens another rank's files, which may live on another host) and renames the directory into place.
+With ``async_save`` the step waits only for the copy of the rank's state to host memory; the rest runs in a
+background thread (:mod:`.background`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -81,53 +85,76 @@ def write_rank_file(
     extra: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write the calling rank's files into the staging directory of ``ckpt_dir``; returns the tensor file."""
-    path, _ = _write_rank_files(ckpt_dir, model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin,
-                                extra=extra)
+    snap = _snapshot(model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin, extra=extra, to_host=False)
+    path, _ = _write_rank_files(ckpt_dir, snap)
     return path
 
 
-def _write_rank_files(ckpt_dir: Union[str, Path], model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-                      scheduler: Any, *, step: int, run_id: Optional[str], plugin: Any,
-                      extra: Optional[dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
-    """The rank's tensor and JSON files, written, fsync'd and renamed into the staging directory; and its report."""
+@dataclass
+class _Snapshot:
+    """What a rank saves, taken at the step boundary: tensor specs, a producer for each, the JSON metadata."""
+
+    rank: int
+    world: int
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]]
+    produce: Callable[[str], torch.Tensor]
+    meta: dict[str, Any]
+    nbytes: int = 0
+
+
+def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], scheduler: Any, *, step: int,
+              run_id: Optional[str], plugin: Any, extra: Optional[dict[str, Any]], to_host: bool) -> _Snapshot:
+    """The rank's state; with ``to_host`` every tensor is copied to host memory now (for a background write),
+    otherwise each is fetched from the device when written (one at a time: bounded host memory)."""
     from ..engines import engine_of
     from ..runtime import sync
 
     engine = engine_of(model)
     rank, world = engine.rank_world(model)
-    stage = staging_dir(ckpt_dir)
-    stage.mkdir(parents=True, exist_ok=True)
-    if rank == 0:  # a marker left by a save of the same name that was killed before publishing is never reused
-        (stage / COMPLETE_MARKER).unlink(missing_ok=True)
     sync()  # pending updates land before reading values
     state = engine.rank_state(model, optimizer)
     cpu_rng = torch.get_rng_state()
     specs = [*state.specs, (RNG_CPU, tuple(cpu_rng.shape), cpu_rng.dtype)]
-    stem = rank_file_stem(rank, world)
+    meta = {"rank": rank, "world_size": world, "run_id": run_id, "step": int(step), **state.meta,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": rng_meta(), **_model_meta(model),
+            "plugin": plugin.to_dict() if plugin is not None else None,
+            "extra": extra or {}}
+    try:
+        text = json.dumps(meta)
+    except TypeError as err:
+        raise CheckpointError(f"checkpoint metadata is not JSON-serialisable ({err}); "
+                              "keep `extra` and the scheduler state plain") from None
+    if not to_host:
+        return _Snapshot(rank, world, specs, lambda name: cpu_rng if name == RNG_CPU else state.produce(name), meta)
+    names = [name for name, _, _ in state.specs]
+    host = dict(zip(names, state.host_tensors(names)))  # fresh host copies (RankState's contract), batched
+    host[RNG_CPU] = cpu_rng
+    return _Snapshot(rank, world, specs, host.__getitem__, json.loads(text),  # a copy later steps cannot change
+                     sum(t.numel() * t.element_size() for t in host.values()))
+
+
+def _write_rank_files(ckpt_dir: Union[str, Path], snap: _Snapshot) -> tuple[Path, dict[str, Any]]:
+    """The rank's tensor and JSON files, written, fsync'd and renamed into the staging directory; and its report.
+
+    Touches no device: it may run in a background thread while training goes on."""
+    stage = staging_dir(ckpt_dir)
+    stage.mkdir(parents=True, exist_ok=True)
+    if snap.rank == 0:  # a marker left by a save of the same name that was killed before publishing is never reused
+        (stage / COMPLETE_MARKER).unlink(missing_ok=True)
+    stem = rank_file_stem(snap.rank, snap.world)
     tensor_path = stage / f"{stem}.safetensors"
     tmp = stage / f".{stem}.safetensors.tmp"
     algorithm = default_algorithm()
     try:
-        sums = write_safetensors_streaming(tmp, specs, lambda name: cpu_rng if name == RNG_CPU else state.produce(name),
-                                           {"format": "pt"}, checksum=algorithm)
+        sums = write_safetensors_streaming(tmp, snap.specs, snap.produce, {"format": "pt"}, checksum=algorithm)
         tmp.replace(tensor_path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    meta = {
-        "format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
-        "checksums": {"algorithm": algorithm, "tensors": sums},
-        "rank": rank, "world_size": world, "run_id": run_id, "step": int(step), **state.meta,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": rng_meta(), **_model_meta(model),
-        "plugin": plugin.to_dict() if plugin is not None else None,
-        "extra": extra or {},
-    }
-    try:
-        data = json.dumps(meta, indent=1).encode()
-    except TypeError as err:
-        raise CheckpointError(f"checkpoint metadata is not JSON-serialisable ({err}); "
-                              "keep `extra` and the scheduler state plain") from None
+    meta = {"format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
+            "checksums": {"algorithm": algorithm, "tensors": sums}, **snap.meta}
+    data = json.dumps(meta, indent=1).encode()
     write_bytes_atomic(stage / f"{stem}.json", data)
     fsync_dir(stage)  # both renames are durable before the rank reports its files
     return tensor_path, _report(meta, tensor_path.name, data)
@@ -238,6 +265,8 @@ def save_checkpoint(
     barrier: Optional[Callable[[str], None]] = None,
     gather: Optional[Callable[[str, bytes], list[bytes]]] = None,
     before_commit: Optional[Callable[[Path], None]] = None,
+    async_save: bool = False,
+    after_commit: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Save the calling rank's shard and, once every rank has, publish ``ckpt_dir`` atomically.
 
@@ -250,17 +279,69 @@ def save_checkpoint(
     A failure of rank 0's own commit (after every write succeeded) is raised on rank 0.
     ``before_commit(stage)`` runs on rank 0 once the save is marked complete in its staging directory
     and before it is published (to add side files, or a consolidated copy, atomically).
+
+    ``async_save=True``: the call returns once the rank's state is copied to host memory; writing, fsync,
+    the report and the commit run in a background thread (``before_commit`` too), while training goes on.
+    The next save, :func:`~hf_xla_fsdp.checkpoint.load_checkpoint` and
+    :func:`~hf_xla_fsdp.checkpoint.background.wait_for_pending_save` wait for it and raise its failure.
+    With several processes, ``gather`` and ``barrier`` then run in that thread, so they must not be XLA
+    collectives: the defaults are torch.distributed's over a gloo group of their own (torch.distributed
+    must be initialized). ``after_commit(ckpt_dir)`` runs on the calling thread once the checkpoint is
+    published: at once for a synchronous save, when it is waited for otherwise.
     """
-    from ..runtime import default_barrier, default_gather
+    from . import background
 
     ckpt_dir = Path(ckpt_dir)
+    background.wait_for_pending_save()  # one save in flight at most, and an earlier failure is raised here
+    rank, world = rank_world(model)
+
+    def take(to_host: bool) -> _Snapshot:
+        return _snapshot(model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin, extra=extra,
+                         to_host=to_host)
+
+    if not async_save:
+        _write_and_commit(ckpt_dir, rank, world, lambda: take(False), barrier=barrier, gather=gather,
+                          before_commit=before_commit)
+        if after_commit is not None:
+            after_commit(ckpt_dir)
+        return ckpt_dir
+    if world > 1 and (gather is None or barrier is None):
+        from ..runtime import thread_safe_collectives
+
+        safe = thread_safe_collectives()
+        if safe is None:
+            raise CheckpointError(f"async_save with {world} processes needs torch.distributed for its background "
+                                  "commit (XLA collectives must stay on the training thread): call torch.distributed."
+                                  "init_process_group('gloo', init_method='xla://') before training, or save "
+                                  "synchronously")
+        barrier, gather = barrier or safe[0], gather or safe[1]
+    try:
+        snap = take(True)
+        snapshot: Callable[[], _Snapshot] = lambda: snap  # noqa: E731
+    except Exception as err:
+        if world == 1:
+            raise
+        snapshot = functools.partial(_reraise, err)  # the other ranks hear of it through the report, as for a write
+    background.start(ckpt_dir, lambda: _write_and_commit(ckpt_dir, rank, world, snapshot, barrier=barrier,
+                                                         gather=gather, before_commit=before_commit), after_commit)
+    return ckpt_dir
+
+
+def _reraise(err: BaseException) -> _Snapshot:
+    raise err
+
+
+def _write_and_commit(ckpt_dir: Path, rank: int, world: int, snapshot: Callable[[], _Snapshot], *,
+                      barrier: Optional[Callable[[str], None]], gather: Optional[Callable[[str, bytes], list[bytes]]],
+                      before_commit: Optional[Callable[[Path], None]]) -> None:
+    """The rank's files, the reports gathered to rank 0, its marker and publication, and the final barrier."""
+    from ..runtime import default_barrier, default_gather
+
     barrier = barrier or default_barrier
     gather = gather or default_gather
-    rank, world = rank_world(model)
     failure: Optional[BaseException] = None
     try:
-        _, report = _write_rank_files(ckpt_dir, model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin,
-                                      extra=extra)
+        _, report = _write_rank_files(ckpt_dir, snapshot())
     except Exception as err:  # the others hear about it: nobody waits for files that will not come
         failure, report = err, {"rank": rank, "world_size": world, "error": _first_line(err)}
     payloads = _together(ckpt_dir, "did not complete (ranks lost while reporting their files)",
@@ -288,4 +369,3 @@ def save_checkpoint(
     finally:  # the other ranks are released even if the commit failed (rank 0 raises it)
         _together(ckpt_dir, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
                   lambda: barrier("hf_xla_fsdp.save.committed"))
-    return ckpt_dir

@@ -9,7 +9,7 @@ tests which engine runs. torch_xla is imported inside methods only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -21,13 +21,41 @@ if TYPE_CHECKING:
 TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor no later training step changes: the device's value, or a clone of a host tensor (an
+    optimizer's CPU ``step`` counter is updated in place)."""
+    tensor = tensor.detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`host_copy` of each; the device tensors in one batched transfer (on XLA several times faster than one
+    ``.cpu()`` each, which is what an async save's step waits for)."""
+    from ..runtime import fetch_to_host
+
+    out = [host_copy(t) if t.device.type == "cpu" else None for t in tensors]
+    on_device = [i for i, t in enumerate(tensors) if t.device.type != "cpu"]
+    for i, fetched in zip(on_device, fetch_to_host([tensors[i].detach() for i in on_device])):
+        out[i] = fetched
+    return out
+
+
 @dataclass
 class RankState:
-    """What one rank writes: tensor specs in file order, a producer for each (one at a time), JSON metadata."""
+    """What one rank writes: tensor specs in file order, a producer for each (one at a time), JSON metadata.
+
+    ``produce`` returns a fresh host tensor (:func:`host_copy`), so a save may keep it while training goes on.
+    """
 
     specs: list[TensorSpec]
     produce: Callable[[str], torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)
+    #: every named tensor at once (same contract as ``produce``), when the engine can batch the transfer
+    produce_many: Optional[Callable[[list[str]], list[torch.Tensor]]] = None
+
+    def host_tensors(self, names: list[str]) -> list[torch.Tensor]:
+        """Fresh host copies of ``names``, batched when the engine can."""
+        return self.produce_many(names) if self.produce_many is not None else [self.produce(n) for n in names]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ..checkpoint.readers import (
 )
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
-from .base import Engine, RankState, Restored
+from .base import Engine, RankState, Restored, host_copies, host_copy
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -122,8 +122,9 @@ class XlaFsdpV1(Engine):
             optim, optim_tensors = optimizer_meta(model, optimizer, self.checkpoint_name)
             tensors.update(optim_tensors)
         specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-        return RankState(specs, lambda name: tensors[name].detach().cpu(),
-                         {"shard_metadata": encode_shard_metadata(model.get_shard_metadata()), "optimizer": optim})
+        return RankState(specs, lambda name: host_copy(tensors[name]),
+                         {"shard_metadata": encode_shard_metadata(model.get_shard_metadata()), "optimizer": optim},
+                         produce_many=lambda names: host_copies([tensors[n] for n in names]))
 
     def restore(self, ckpt_dir: Path, marker: dict[str, Any], model: nn.Module,
                 optimizer: Optional[torch.optim.Optimizer]) -> Restored:

@@ -22,7 +22,7 @@ from ..checkpoint.safetensors_io import dtype_name
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
 from ..runtime import device_count, process_count, process_index, wait_device_ops
-from .base import Engine, RankState, Restored
+from .base import Engine, RankState, Restored, host_copy
 from .master_weights import attach, cast_parameters, master_weights
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def fetch_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
     import torch_xla
 
     if tensor.device.type != "xla":
-        return [tensor.detach()]
+        return [host_copy(tensor)]
     shards = torch_xla._XLAC._get_local_shards([tensor])[0]
     # shards of uneven splits are padded: keep only the slice's own rows/columns
     return [shards[position][0][tuple(slice(0, b - a) for a, b in zip(start, stop))].contiguous()

@@ -26,6 +26,7 @@ script written for ``Accelerator`` runs with one swapped import:
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -189,9 +190,13 @@ class XlaFsdpAccelerator(Accelerator):
         return self._preemption.received
 
     def end_training(self) -> None:
-        """accelerate's ``end_training`` (trackers); also gives SIGTERM its previous handler back."""
+        """accelerate's ``end_training`` (trackers); also waits for a checkpoint still being written in the background
+        (``async_save``) and gives SIGTERM its previous handler back."""
+        from ..checkpoint import wait_for_pending_save
+
         if self._preemption is not None:
             self._preemption.restore()
+        wait_for_pending_save()
         super().end_training()
 
     # ----------------------------------------------------------------- models and optimizers
@@ -312,8 +317,9 @@ class XlaFsdpAccelerator(Accelerator):
         names it ``<project_dir>/checkpoints/checkpoint_<i>`` and keeps at most ``total_limit`` of them,
         as accelerate does.
         """
-        from ..checkpoint import save_checkpoint
+        from ..checkpoint import save_checkpoint, wait_for_pending_save
 
+        wait_for_pending_save()  # the previous save is published (and rotated) before this one is named
         config = self.project_configuration
         if output_dir is None:
             if not config.automatic_checkpoint_naming:
@@ -323,24 +329,32 @@ class XlaFsdpAccelerator(Accelerator):
                 raise ConfigError(f"checkpoint directory {output_dir} already exists; set accelerator.project_configuration"
                                   ".iteration to the iteration to continue from")
         output_dir = Path(output_dir)
-        custom = [obj.state_dict() for obj in self._custom_objects]
+        custom = copy.deepcopy([obj.state_dict() for obj in self._custom_objects])  # as of now, even if written later
+        step = self.step if step is None else step
+        async_save = self.xla_fsdp_plugin.async_save
 
         def add_custom_objects(stage: Path) -> None:
             for index, state in enumerate(custom):  # accelerate's file names, read back with weights_only=True
                 torch.save(state, stage / f"custom_checkpoint_{index}.pkl")
 
-        save_checkpoint(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(),
-                        step=self.step if step is None else step, plugin=self.xla_fsdp_plugin, extra=extra,
-                        barrier=lambda tag: self.wait_for_everyone(), before_commit=add_custom_objects)
-        if self._preemption is not None and self._preemption.received:
-            logger.warning("%s received: saved checkpoint %s at step %s; stop now and resume with "
-                           "accelerator.load_state(%s)", self._preemption.signal_name, output_dir,
-                           self.step if step is None else step, "" if config.automatic_checkpoint_naming else f"'{output_dir}'")
-        if config.automatic_checkpoint_naming:
-            config.iteration += 1
-            if config.total_limit is not None and self.is_main_process:
+        def published(path: Path) -> None:
+            if self._preemption is not None and self._preemption.received:
+                logger.warning("%s received: saved checkpoint %s at step %s; stop now and resume with "
+                               "accelerator.load_state(%s)", self._preemption.signal_name, path, step,
+                               "" if config.automatic_checkpoint_naming else f"'{path}'")
+            if config.automatic_checkpoint_naming and config.total_limit is not None and self.is_main_process:
                 for old in self._automatic_checkpoints()[:-config.total_limit]:
                     shutil.rmtree(old, ignore_errors=True)
+
+        # a background save gathers through torch.distributed (thread-safe); a synchronous one through accelerate
+        barrier = None if async_save else (lambda tag: self.wait_for_everyone())
+        # SIGTERM: this save is the last one, so it is written before save_state returns
+        async_save = async_save and not (self._preemption is not None and self._preemption.received)
+        save_checkpoint(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(), step=step,
+                        plugin=self.xla_fsdp_plugin, extra=extra, barrier=barrier, before_commit=add_custom_objects,
+                        async_save=async_save, after_commit=published)
+        if config.automatic_checkpoint_naming:
+            config.iteration += 1
         return str(output_dir)
 
     def _automatic_checkpoints(self) -> list[Path]:
@@ -354,8 +368,9 @@ class XlaFsdpAccelerator(Accelerator):
 
         Returns ``step``, ``extra``, ...; ``accelerator.step`` is restored too.
         """
-        from ..checkpoint import load_checkpoint
+        from ..checkpoint import load_checkpoint, wait_for_pending_save
 
+        wait_for_pending_save()  # the latest automatic checkpoint may still be being written
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ConfigError("load_state needs the checkpoint directory to resume from (or automatic checkpoint naming)")

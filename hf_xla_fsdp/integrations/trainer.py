@@ -19,6 +19,8 @@ extra keys ``meta_init``, ``sharding``, ``checkpoint_format``, ``consolidate_dty
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -27,7 +29,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -158,6 +160,23 @@ def original_parameter_names(model: nn.Module) -> dict[str, str]:
     return engine_of(model).original_names(model)
 
 
+@contextlib.contextmanager
+def _pending_save_ends() -> Iterator[None]:
+    """A checkpoint still being written in the background is published (or its failure raised) before training
+    returns; if training itself failed, that failure is the one raised and the save's is logged."""
+    from ..checkpoint import wait_for_pending_save
+
+    try:
+        yield
+    except BaseException:
+        try:
+            wait_for_pending_save()
+        except Exception as err:
+            logger.error("%s", err)
+        raise
+    wait_for_pending_save()
+
+
 class PreemptionCallback(TrainerCallback):
     """Once SIGTERM has arrived, the step that ends saves a checkpoint and training stops (``save_on_preemption``)."""
 
@@ -255,19 +274,24 @@ class XlaFsdpTrainerMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; with ``save_on_preemption`` (and checkpoints on), SIGTERM saves ``checkpoint-N`` at the
         next step boundary, stops training, logs where it saved and exits the process with code 0."""
+        from ..checkpoint import wait_for_pending_save
+
         save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
         guard = PreemptionGuard()
         if not (self.xla_fsdp_plugin.save_on_preemption and save_strategy != "no" and guard.install()):
-            return super().train(*args, **kwargs)
+            with _pending_save_ends():
+                return super().train(*args, **kwargs)
         callback = PreemptionCallback(guard)
         self.add_callback(callback)
         try:
-            result = super().train(*args, **kwargs)
+            with _pending_save_ends():
+                result = super().train(*args, **kwargs)
         finally:
             guard.restore()
             self.remove_callback(callback)
         if callback.step is None:
             return result
+        wait_for_pending_save()
         saved = getattr(self, "_xla_fsdp_last_checkpoint", None)
         logger.warning("%s received: saved checkpoint %s at step %d and stopped training; resume with "
                        "resume_from_checkpoint=%s", guard.signal_name, saved, self.state.global_step, saved)
@@ -385,9 +409,10 @@ class XlaFsdpTrainerMixin:
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-        from ..checkpoint import save_checkpoint
+        from ..checkpoint import save_checkpoint, wait_for_pending_save
         from ..checkpoint.consolidate import consolidate_into
 
+        wait_for_pending_save()  # the previous checkpoint is published before this one is named and rotated
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
@@ -397,38 +422,45 @@ class XlaFsdpTrainerMixin:
             best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
             if best == output_dir or best.exists():
                 self.state.best_model_checkpoint = str(best)
+        for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+            name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks[name], list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+        state = copy.deepcopy(self.state)  # as of this step, whenever the files are written
+        plugin = self.xla_fsdp_plugin
 
         def finish(stage: Path) -> None:
             """Rank 0, the rank files marked complete: trainer state and side files join before publication."""
             from transformers.trainer import TRAINER_STATE_NAME
 
-            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
-                name, cb_state = cb.__class__.__name__, cb.state()
-                if isinstance(self.state.stateful_callbacks[name], list):
-                    self.state.stateful_callbacks[name].append(cb_state)
-                else:
-                    self.state.stateful_callbacks[name] = cb_state
-            self.state.save_to_json(str(stage / TRAINER_STATE_NAME))
+            state.save_to_json(str(stage / TRAINER_STATE_NAME))
             self._save_side_files(stage)
-            if self.xla_fsdp_plugin.checkpoint_format == "sharded+consolidated":
-                consolidate_into(stage, stage, dtype=self.xla_fsdp_plugin.consolidate_dtype,
-                                 max_shard_size=self.xla_fsdp_plugin.consolidate_max_shard_size,
-                                 progress=not self.args.disable_tqdm)
+            if plugin.checkpoint_format == "sharded+consolidated":
+                consolidate_into(stage, stage, dtype=plugin.consolidate_dtype,
+                                 max_shard_size=plugin.consolidate_max_shard_size,
+                                 progress=not self.args.disable_tqdm and not plugin.async_save)
+
+        def published(path: Path) -> None:
+            """On the training thread, once the checkpoint is in place: hub upload and rotation."""
+            self._xla_fsdp_last_checkpoint = str(path)
+            if self.args.push_to_hub:
+                self._push_from_checkpoint(str(path))
+            if self.args.should_save:
+                from transformers.trainer_utils import rotate_checkpoints
+
+                rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
         save_only_model = self.args.save_only_model
+        # a background save gathers through torch.distributed (thread-safe); a synchronous one through accelerate
+        barrier = None if plugin.async_save else (lambda tag: self.accelerator.wait_for_everyone())
         save_checkpoint(output_dir, self.model, None if save_only_model else self._raw_optimizer(),
                         None if save_only_model else self.lr_scheduler, step=self.state.global_step,
-                        plugin=self.xla_fsdp_plugin, extra={"trainer": True, **self._training_record()},
-                        barrier=lambda tag: self.accelerator.wait_for_everyone(), before_commit=finish)
-
-        self._xla_fsdp_last_checkpoint = str(output_dir)
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(str(output_dir))
-        if self.args.should_save:
-            from transformers.trainer_utils import rotate_checkpoints
-
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+                        plugin=plugin, extra={"trainer": True, **self._training_record()},
+                        barrier=barrier, before_commit=finish, async_save=plugin.async_save,
+                        after_commit=published)
 
     def _save_side_files(self, directory: Path) -> None:
         """config.json, generation_config.json, tokenizer and training_args.json of the run."""

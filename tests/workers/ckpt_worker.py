@@ -3,10 +3,12 @@
 collectives) and saves checkpoints through ``save_checkpoint`` with torch.distributed's barrier and gather.
 
     ckpt_worker.py --rank R --world N --port P --root DIR [--saves K] [--stall] [--timeout S] [--first I]
-                   [--fsize-limit-after-first BYTES]
+                   [--fsize-limit-after-first BYTES] [--async-save]
 
 Prints ``ready``, then ``saving I`` / ``saved I`` around each save of ``DIR/checkpoint-I``; a save that fails
 prints ``error: <the one line>`` and exits 3. ``--stall``: this rank never arrives at the save (it sleeps).
+``--async-save``: each save returns once the state is on the host; the files are written and committed in a
+background thread with the library's default (thread-safe, gloo) collectives, and the worker waits for the last one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from helpers import build_rank, fake_adam_rank, tiny_llama  # noqa: E402
 
-from hf_xla_fsdp.checkpoint import save_checkpoint  # noqa: E402
+from hf_xla_fsdp.checkpoint import save_checkpoint, wait_for_pending_save  # noqa: E402
 from hf_xla_fsdp.errors import CheckpointError  # noqa: E402
 from hf_xla_fsdp.runtime import dist_barrier, dist_gather  # noqa: E402
 
@@ -41,6 +43,7 @@ def main() -> int:
     p.add_argument("--stall", action="store_true", help="this rank never arrives at the save")
     p.add_argument("--fsize-limit-after-first", type=int, default=None,
                    help="after the first save, RLIMIT_FSIZE: writing a file past this size fails (EFBIG, a full disk)")
+    p.add_argument("--async-save", action="store_true", help="save in the background (default collectives)")
     args = p.parse_args()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=timedelta(seconds=args.timeout + 60))
@@ -54,7 +57,11 @@ def main() -> int:
             return 0
         print(f"saving {i}", flush=True)
         try:
-            save_checkpoint(Path(args.root) / f"checkpoint-{i}", model, optimizer, step=i, barrier=barrier, gather=gather)
+            if args.async_save:
+                save_checkpoint(Path(args.root) / f"checkpoint-{i}", model, optimizer, step=i, async_save=True)
+            else:
+                save_checkpoint(Path(args.root) / f"checkpoint-{i}", model, optimizer, step=i, barrier=barrier,
+                                gather=gather)
         except CheckpointError as err:
             print(f"error: {err}", flush=True)
             return 3
@@ -63,6 +70,12 @@ def main() -> int:
             import resource
 
             resource.setrlimit(resource.RLIMIT_FSIZE, (args.fsize_limit_after_first, args.fsize_limit_after_first))
+    try:
+        wait_for_pending_save()
+    except CheckpointError as err:
+        print(f"error: {err}", flush=True)
+        return 3
+    print("done", flush=True)
     dist.destroy_process_group()
     return 0
 
