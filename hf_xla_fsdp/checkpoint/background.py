@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -29,14 +30,19 @@ class PendingSave:
         self.ckpt_dir = ckpt_dir
         self.error: Optional[BaseException] = None
         self._after = after
+        #: wall time of the background work (write, fsync, report, commit), once it has ended
+        self.seconds: Optional[float] = None
         self._thread = threading.Thread(target=self._run, args=(job,), name=f"hf_xla_fsdp-save-{ckpt_dir.name}")
         self._thread.start()  # not a daemon: the interpreter finishes the save before it exits
 
     def _run(self, job: Callable[[], Any]) -> None:
+        start = time.perf_counter()
         try:
             job()
         except BaseException as err:  # kept for the training thread: a thread's exception is otherwise only printed
             self.error = err
+        finally:
+            self.seconds = time.perf_counter() - start
 
     def done(self) -> bool:
         """True once the background work has ended (successfully or not)."""
