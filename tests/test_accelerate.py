@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 import yaml
 from helpers import ROOT, consolidate, run_python, tiny_llama
 
-from hf_xla_fsdp import ConfigError
+from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
 from hf_xla_fsdp.accelerate_glue import ENV_CONFIG, _config_from_cmdline, find_accelerate_config, plugin_from_accelerate_launch
 
 YAML = ROOT / "examples" / "xla_fsdp.yaml"
@@ -112,18 +113,29 @@ def test_resume_continues_the_same_loss_curve(trained, tmp_path):
         assert resumed[str(step)] == pytest.approx(full[str(step)], abs=1e-6), step
 
 
-@pytest.mark.parametrize("setting,needle", [({"fsdp_offload_params": True}, "fsdp_offload_params=true in fsdp_config"),
-                                            ({"fsdp_offload_parameters": True}, "unknown key 'fsdp_offload_parameters'"),
-                                            ({"fsdp_sharding_strategy": "zero9"}, "sharding='zero9' is not valid")])
-def test_invalid_fsdp_config_fails_before_training(tmp_path, setting, needle):
+BAD_SETTINGS = [({"fsdp_offload_params": True}, "fsdp_offload_params=true in fsdp_config"),
+                ({"fsdp_offload_parameters": True}, "unknown key 'fsdp_offload_parameters'"),
+                ({"fsdp_sharding_strategy": "zero9"}, "sharding='zero9' is not valid")]
+
+
+def bad_yaml(tmp_path: Path, setting: dict) -> Path:
     cfg = yaml.safe_load(YAML.read_text())
     cfg["fsdp_config"].update(setting)
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(cfg))
-    res = launch(bad, tmp_path / "run", "--max_train_steps", "2")
+    return bad
+
+
+def test_invalid_fsdp_config_fails_before_training(tmp_path):
+    """Under `accelerate launch` once (a launch costs ~15 s); every bad setting through the same YAML reader."""
+    res = launch(bad_yaml(tmp_path, BAD_SETTINGS[0][0]), tmp_path / "run", "--max_train_steps", "2")
     assert res.returncode != 0
-    assert needle in res.stderr
+    assert BAD_SETTINGS[0][1] in res.stderr
     assert not (tmp_path / "run").exists()  # nothing started: no output directory
+    for setting, needle in BAD_SETTINGS:
+        with pytest.raises(ConfigError, match=re.escape(needle)) as err:
+            XlaFsdpPlugin.from_accelerate_config(bad_yaml(tmp_path, setting))
+        assert "\n" not in str(err.value)
 
 
 def test_config_discovery(tmp_path, monkeypatch):

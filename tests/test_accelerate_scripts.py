@@ -64,20 +64,23 @@ def cpu_eval_loss(model_dir: Path, pre: Path) -> float:
 
 
 CASES = [
-    ("xla_minimal.yaml", "llama", 1),
-    ("torch_fsdp_from_accelerate_config.yaml", "gpt2", 1),
-    ("xla_v2_minimal.yaml", "gpt2", 4),
+    ("xla_minimal.yaml", "llama", 1, ()),
+    # also the script's other save (`--save_with_state_dict`: save_pretrained(state_dict=accelerator.get_state_dict))
+    # and gradient accumulation
+    ("torch_fsdp_from_accelerate_config.yaml", "gpt2", 1, ("--save_with_state_dict", "--gradient_accumulation_steps",
+                                                           "2")),
+    ("xla_v2_minimal.yaml", "gpt2", 4, ()),
 ]
 
 
-@pytest.mark.parametrize("config,family,devices", CASES, ids=[f"{c[0].split('.')[0]}-{c[1]}" for c in CASES])
-def test_swapped_import_trains_resumes_and_saves(pre, tmp_path, config, family, devices):
+@pytest.mark.parametrize("config,family,devices,extra", CASES, ids=[f"{c[0].split('.')[0]}-{c[1]}" for c in CASES])
+def test_swapped_import_trains_resumes_and_saves(pre, tmp_path, config, family, devices, extra):
     yaml = SCRIPTS / "configs" / config
     if family == "gpt2" and "torch_fsdp" in config:  # what `accelerate config` writes for a GPT-2 user
         text = yaml.read_text().replace("LlamaDecoderLayer", "GPT2Block")
         yaml = tmp_path / config
         yaml.write_text(text)
-    full = launch(yaml, pre, family, tmp_path / "full", devices=devices)
+    full = launch(yaml, pre, family, tmp_path / "full", *extra, devices=devices)
     losses = {int(k): v for k, v in full["losses"].items()}
     assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1]
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_1"]
@@ -110,18 +113,3 @@ def test_swapped_import_trains_resumes_and_saves(pre, tmp_path, config, family, 
         # accelerate's gather_for_metrics keeps the padded copies of the last eval batch on XLA (stock and ours
         # alike): a few 1e-4 between the script's eval loss and the same loss computed on the CPU
         assert abs(cpu_eval_loss(tmp_path / "full", pre) - full["eval_loss"]) < 2e-3
-
-
-def test_save_with_state_dict_and_gradient_accumulation(pre, tmp_path):
-    result = launch(SCRIPTS / "configs" / "xla_minimal.yaml", pre, "gpt2", tmp_path / "out", "--save_with_state_dict",
-                    "--gradient_accumulation_steps", "2")
-    assert len(result["losses"]) == 8
-    from transformers import AutoModelForCausalLM
-
-    from hf_xla_fsdp.cli import main as cli
-
-    assert cli(["consolidate", str(tmp_path / "out" / "checkpoints" / "checkpoint_1"), "-o", str(tmp_path / "final"),
-                "--quiet"]) == 0
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
-    assert all(torch.equal(t, final[k]) for k, t in saved.items())
