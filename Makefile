@@ -16,8 +16,10 @@ $(STAMP): setup.cfg pyproject.toml
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py --output_dir runs/quickstart
 
+# two workers, each taking whole files (module fixtures are built once): the suite mostly waits on subprocesses'
+# imports and compiles, which leave part of the 2 cores idle
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 clean-venv:
 	rm -rf $(VENV)
