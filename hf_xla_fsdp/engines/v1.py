@@ -8,6 +8,7 @@ rows of each saved shard that the new shard covers.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -34,6 +35,149 @@ from .base import Engine, RankState, Restored, host_copies, host_copy
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
+
+def host_shard(full: torch.Tensor, world: int, rank: int, multiple: int, on_dim0: bool) -> torch.Tensor:
+    """Rank ``rank``'s shard of the host tensor ``full``, the same bytes as ``XlaFullyShardedDataParallel._get_shard``.
+
+    FSDP flattens the whole tensor, pads it with zeros to a multiple of ``world * multiple`` elements (rows of
+    ``world`` with ``on_dim0``) and slices; here only the rank's slice is copied and only its own zero padding
+    appended, so no full-size copy is made.
+    """
+    if on_dim0:
+        rows = -(-full.shape[0] // world) if full.dim() else 0
+        part = full[rank * rows:(rank + 1) * rows]
+        missing, pad_shape = rows - part.shape[0], (rows - part.shape[0], *full.shape[1:])
+    else:
+        flat = full.reshape(-1)
+        local = -(-flat.numel() // (world * multiple)) * multiple
+        part = flat[rank * local:(rank + 1) * local]
+        missing, pad_shape = local - part.numel(), (local - part.numel(),)
+    if missing:
+        return torch.cat([part, part.new_zeros(pad_shape)])
+    return part.clone()
+
+
+@functools.cache
+def host_sharding_unit_class() -> type:
+    """``XlaFullyShardedDataParallel`` that cuts the shard of every host (CPU) parameter on the host.
+
+    Stock FSDP copies each full parameter to the XLA device (a host staging copy plus the device buffer: about
+    two units of transient memory for a unit, and much of the wrap time) only to replace that copy's data by a
+    one-element placeholder right after cutting the shard. This class cuts the shard from the host tensor and
+    makes the handle FSDP later all-gathers into without any full-size data (see ``_placeholder``): a fresh
+    tensor, not a view (an earlier attempt used an expanded scalar; under functionalization a view is
+    re-derived from its base, so every gathered Linear weight read as zeros in forward). Everything after
+    construction (all-gather into the handle, compute-dtype casts, freeing, gradients) is stock FSDP code.
+    Parameters already on the XLA device take the stock path.
+    """
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
+    from torch_xla.distributed.fsdp.xla_flatten_params_wrapper import FlatParameter
+
+    class HostShardingXlaFsdp(XlaFullyShardedDataParallel):
+        """FSDP v1 unit whose construction never copies a whole host parameter to the device."""
+
+        @torch.no_grad()
+        def _shard_parameters_(self, params_to_shard: list[nn.Parameter]) -> None:
+            host = [p for p in params_to_shard if p.device.type == "cpu"]
+            if not host:
+                return super()._shard_parameters_(params_to_shard)
+            # same bookkeeping as the stock method (torch_xla 2.9), which FSDP's later code relies on
+            if params_to_shard:
+                self._dummy_data_placeholder = torch.zeros(1, dtype=self.compute_dtype, device=self.xla_device)
+            to_shard = set(params_to_shard)
+            if len(to_shard) != len(params_to_shard):
+                raise AssertionError("params_to_shard should not have dups")
+            full_param_infos: list[tuple[str, nn.Module, str]] = []
+            shared_memo: dict[nn.Parameter, tuple[str, nn.Module, str]] = {}
+            shared_full_param_infos = []
+            full_params: list[torch.Tensor] = []
+            for module_name, m in self.named_modules():
+                for n, p in m.named_parameters(recurse=False):
+                    if p.dtype != torch.float32:
+                        raise TypeError("only fp32 parameters are supported")
+                    if p in to_shard:
+                        if p in shared_memo:
+                            mname, shared_m, shared_n = shared_memo[p]
+                            shared_full_param_infos.append((module_name, mname, m, n, shared_m, shared_n))
+                        else:
+                            shared_memo[p] = (module_name, m, n)
+                            full_param_infos.append((module_name, m, n))
+                            full_params.append(p)
+            if len(full_params) != len(to_shard):
+                raise AssertionError("there are parameters in params_to_shard not belonging to this module")
+            del shared_memo, to_shard
+            self.full_params = full_params
+            self.full_param_infos = full_param_infos
+            self.shared_full_param_infos = shared_full_param_infos
+            self.sharded_params = []
+            for idx, (module_name, m, n) in enumerate(full_param_infos):
+                p = full_params[idx]
+                if p.device.type == "cpu":
+                    shard = host_shard(p.detach(), self.world_size, self.rank, self._shard_size_multiple,
+                                       self._shard_param_on_dim_0)
+                else:
+                    shard = self._get_shard(p)
+                p_shard = nn.Parameter(shard.to(self.xla_device), requires_grad=p.requires_grad)
+                p_shard._is_sharded = True
+                p_shard._orig_size = p.size()
+                p_shard._orig_name = f"{module_name}.{n}"
+                p_shard._name = f"_fsdp_shard.{p_shard._orig_name}".replace(".", "_FSDP_SHARD_SEPARATOR_")
+                self.register_parameter(p_shard._name, p_shard)
+                self.sharded_params.append(p_shard)
+                handle = _placeholder(p, self.xla_device, FlatParameter)
+                if handle is None:  # already on the device: its storage is freed as stock FSDP does
+                    handle = p
+                    _free_storage(handle)
+                full_params[idx] = handle
+                handle._sharded_param = p_shard
+                handle._has_full_param = False
+                # deregistered, so only the shards are the FSDP model's parameters; the module keeps the handle
+                m._parameters.pop(n)
+                object.__setattr__(m, n, handle)
+                p = handle = None
+            for _, _, m, n, shared_m, shared_n in shared_full_param_infos:
+                m._parameters.pop(n)
+                object.__setattr__(m, n, getattr(shared_m, shared_n))
+
+    # users see the stock name in reprs and messages ("already wrapped with XlaFullyShardedDataParallel")
+    HostShardingXlaFsdp.__name__ = HostShardingXlaFsdp.__qualname__ = "XlaFullyShardedDataParallel"
+    return HostShardingXlaFsdp
+
+
+def _placeholder(p: torch.Tensor, device: Any, flat_cls: type) -> Optional[torch.Tensor]:
+    """The freed full-parameter handle stock FSDP would hold for host tensor ``p``; None if ``p`` is on ``device``.
+
+    Stock FSDP makes ``p.to(device)`` (a ``FlatParameter`` keeps its metadata through its own ``to``) and then
+    replaces its XLA data by ``new_zeros(1)``. The handle must keep the full size in its tensor metadata: the
+    replacement leaves ``numel()`` at the full size (``XlaFlattenParamsWrapper`` checks it), so a handle born
+    with one element breaks flattened units. Here the full-size tensor is a lazy ``torch.empty`` whose data is
+    replaced before any graph runs, so it is never allocated.
+    """
+    if p.device.type != "cpu":
+        return None
+    if isinstance(p, flat_cls):
+        handle = flat_cls([torch.empty(p.numel(), dtype=p.dtype, device=device)], p.requires_grad)
+        handle._param_numels = p._param_numels.copy()
+        handle._param_shapes = p._param_shapes.copy()
+        handle._param_infos = p._param_infos.copy()
+        handle._shared_param_infos = p._shared_param_infos.copy()
+    else:
+        handle = torch.empty(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+    _free_storage(handle)
+    return handle
+
+
+def _free_storage(p: torch.Tensor) -> None:
+    """Point an XLA full parameter at a one-element zero tensor, as stock FSDP does after sharding it."""
+    import torch_xla
+    from torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel import XLA_DISABLE_FUNCTIONALIZATION
+
+    if XLA_DISABLE_FUNCTIONALIZATION:
+        p.data = p.new_zeros(1)
+    else:
+        torch_xla._XLAC._replace_xla_tensor(p, p.new_zeros(1))
+
+
 class XlaFsdpV1(Engine):
     """``XlaFullyShardedDataParallel`` (ZeRO-2 / ZeRO-3) over the replica processes."""
 
@@ -41,6 +185,9 @@ class XlaFsdpV1(Engine):
     name = "xla_fsdp_v1"
     title = "FSDP v1 (XlaFullyShardedDataParallel)"
     checkpoint_layout = LAYOUT_FLAT
+    #: build units with :func:`host_sharding_unit_class` (False: stock ``XlaFullyShardedDataParallel``, the
+    #: reference the tests compare it with)
+    host_sharding = True
 
     def check_launch(self, distributed_type: str, source: str) -> None:
         if distributed_type not in ("XLA", "TPU"):
@@ -56,14 +203,18 @@ class XlaFsdpV1(Engine):
 
         return (XlaFlattenParamsWrapper,)
 
+    def construction_class(self) -> type:
+        """The class units are built with: a subclass of :meth:`unit_class` unless ``host_sharding`` is off."""
+        return host_sharding_unit_class() if self.host_sharding else self.unit_class()
+
     def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
         block = self.checkpoint_block(block, plugin)
-        return self.unit_class()(block, **plugin.fsdp_kwargs()) if nested else block
+        return self.construction_class()(block, **plugin.fsdp_kwargs()) if nested else block
 
     def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
             model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
-        return self.unit_class()(model, **plugin.fsdp_kwargs())
+        return self.construction_class()(model, **plugin.fsdp_kwargs())
 
     def reduce_norm(self, model: nn.Module, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         # each rank holds other shards: combine the local p-norms over the sharding group
