@@ -144,3 +144,81 @@ def test_meta_init_false_is_the_eager_reference(llama_config):
     torch.manual_seed(0)
     b = consolidate(XlaFsdpPlugin().build(llama_config, progress=False))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_draws_wait_on_the_tape_until_the_build(llama_config):
+    """The skeleton draws only what construction draws; every init call is drawn once, by the build."""
+    src = meta_init.resolve_source(llama_config)
+    torch.manual_seed(0)
+    sk = meta_init.build_skeleton(src, defer_init_draws=True)
+    assert sk.tape is not None and sk.final_rng_state is None
+    assert all(call.rng_state is None for call in sk.init_calls)
+    # lm_head is constructed after the decoder's init calls: its constructor draw is taped between them
+    taped = [e for e in sk.tape if isinstance(e, meta_init._TapedOp)]
+    assert [tuple(e.args[0].shape) for e in taped] == [(llama_config.vocab_size, llama_config.hidden_size)]
+    torch.manual_seed(0)
+    assert meta_init.build_skeleton(src).tape is None  # the default draws them now (sizing, adapters)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_uniform_advances_the_rng_like_one_draw(monkeypatch, dtype):
+    monkeypatch.setattr(meta_init, "_UNIFORM_CHUNK", 7)
+    torch.manual_seed(0)
+    torch.empty(5, 9, dtype=dtype).uniform_(-0.3, 0.3)
+    expected = torch.get_rng_state()
+    torch.manual_seed(0)
+    meta_init._RngShadow(chunk_uniform=True).advance(torch.ops.aten.uniform_.default,
+                                   (torch.empty(5, 9, dtype=dtype, device="meta"), -0.3, 0.3), {})
+    assert torch.equal(torch.get_rng_state(), expected)
+
+
+@pytest.mark.parametrize("make,cls", [CASES[0], CASES[1]])
+def test_fresh_meta_init_with_chunked_taped_draws_equals_eager(monkeypatch, make, cls):
+    """The taped lm_head constructor draw advanced in chunks of 7 elements: same weights and RNG as eager."""
+    monkeypatch.setattr(meta_init, "_UNIFORM_CHUNK", 7)
+    config = make()
+    eager, state, eager_rng = _eager_state(config, cls)
+    torch.manual_seed(0)
+    model = XlaFsdpPlugin().build(config, model_cls=cls, progress=False)
+    assert torch.equal(torch.get_rng_state(), eager_rng)
+    _assert_equal_to_eager(consolidate(model), eager, state)
+
+
+def test_random_init_of_a_real_tensor_is_drawn_in_eager_order():
+    """A model whose init draws into a real buffer (buffers are not on meta) cannot defer its init draws:
+    the skeleton notices and draws them at once; the build still equals eager construction."""
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class NoisyConfig(PretrainedConfig):
+        model_type = "noisy_meta_init_test"
+
+    class Noisy(PreTrainedModel):
+        config_class = NoisyConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.register_buffer("noise", torch.zeros(3))
+            self.post_init()
+
+        def _init_weights(self, module):
+            if isinstance(module, nn.Linear):
+                module.weight.normal_()
+                module.bias.zero_()
+            if isinstance(module, Noisy):
+                module.noise.uniform_()
+
+        def forward(self, x):
+            return self.b(self.a(x)) + self.noise.sum()
+
+    config = NoisyConfig()
+    torch.manual_seed(0)
+    sk = meta_init.build_skeleton(meta_init.ModelSource(config), model_cls=Noisy, defer_init_draws=True)
+    assert sk.tape is None and sk.final_rng_state is not None
+    eager, state, eager_rng = _eager_state(config, Noisy)
+    torch.manual_seed(0)
+    model = XlaFsdpPlugin().build(config, model_cls=Noisy, progress=False)
+    assert torch.equal(torch.get_rng_state(), eager_rng)
+    _assert_equal_to_eager(consolidate(model), eager, state)
+    assert torch.equal(unwrap(model).noise.cpu(), eager.noise)

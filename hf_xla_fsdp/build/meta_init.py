@@ -7,10 +7,16 @@ is touched, so the full model never exists in host or device memory (with ``shar
 
 Fresh init reproduces eager construction bit for bit: the skeleton is built while a dispatch mode
 replays every random op aimed at a meta tensor on a scratch CPU tensor of the same shape, so the
-global RNG advances exactly as it would eagerly, and the RNG state is snapshotted before every
-``_init_weights`` call. A block is then initialized by re-running those calls from their
-snapshots. This relies on transformers' own contract (the one ``from_pretrained`` also relies on
-for missing keys): ``_init_weights`` sets every parameter and buffer a module owns.
+global RNG advances exactly as it would eagerly. Random numbers drawn only to advance the RNG cost
+time (a 7B model draws 6.7e9 of them per pass), so the draws of the ``_init_weights`` calls are not
+made while the skeleton is built: the skeleton records, in order, a tape of those calls and of any
+other random op that follows the first of them. Building walks that tape block by block: a call of
+the block being filled draws straight into its tensors; a call of a module filled later (e.g. the
+embeddings, initialized before the first block but sharded with the root) is drawn on scratch to
+advance the RNG and replayed from its recorded state when its turn comes. The global RNG ends where
+eager construction leaves it. This relies on transformers' own contract (the one
+``from_pretrained`` also relies on for missing keys): ``_init_weights`` sets every parameter and
+buffer a module owns.
 """
 
 from __future__ import annotations
@@ -134,11 +140,23 @@ class _RngShadow(TorchDispatchMode):
     The op is re-run on a CPU view of the same size, stride and dtype; the views share one
     scratch buffer per dtype (as large as the largest tensor), because allocating a fresh
     tensor per op left the allocator holding about as much memory as the whole model.
+
+    With a ``tape`` it defers instead, from the first ``_init_weights`` call on (``deferring``): ops
+    inside init calls are skipped (the tape holds the call) and other ops are appended to the tape.
+    ``broken`` is set when deferring cannot reproduce eager order (a random op on a real tensor, or an
+    init call nested in another); the skeleton is then built again without deferring.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tape: Optional[list] = None, chunk_uniform: bool = False) -> None:
         super().__init__()
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._chunks: dict[torch.dtype, torch.Tensor] = {}
+        self.chunk_uniform = chunk_uniform  # advance uniform_ in chunks instead of on a full-size scratch
+        self.tape = tape
+        self.deferring = False
+        self.in_init = 0
+        self.broken = False
+        self.start_state: Optional[torch.Tensor] = None  # the RNG state at the first init call
 
     def _cpu_view(self, t: torch.Tensor) -> torch.Tensor:
         needed = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
@@ -147,47 +165,101 @@ class _RngShadow(TorchDispatchMode):
             buf = self._scratch[t.dtype] = torch.empty(max(needed, 1), dtype=t.dtype)
         return buf.as_strided(t.shape, t.stride())
 
+    def advance(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Run random op ``func`` on CPU stand-ins of its meta operands: the RNG moves as in eager mode."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        metas = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_meta]
+        if (self.chunk_uniform and func is torch.ops.aten.uniform_.default and len(metas) == 1 and args
+                and args[0] is metas[0] and metas[0].is_contiguous()):
+            # uniform_ draws element by element in order (ATen's serial CPU kernel), so chunks advance the RNG
+            # exactly as one call does, with a small buffer (an lm_head's constructor draw replayed while the
+            # root unit is materialized would otherwise need a scratch as large as the lm_head)
+            meta, rest, chunk = metas[0], args[1:], _UNIFORM_CHUNK
+            buf = self._chunks.get(meta.dtype)
+            if buf is None:  # one per dtype, reused: a fresh 16 MiB buffer per op stayed on glibc's heap (measured)
+                buf = self._chunks[meta.dtype] = torch.empty(chunk, dtype=meta.dtype)
+            for start in range(0, meta.numel(), chunk):
+                func(buf[:min(chunk, meta.numel() - start)], *rest, **kwargs)
+            return
+        reuse = len(metas) == 1  # a second meta operand would alias the first view
+
+        def to_cpu(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_meta:
+                if reuse:
+                    return self._cpu_view(x)
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+            if isinstance(x, torch.device) and x.type == "meta":
+                return torch.device("cpu")
+            return x
+
+        cpu_args, cpu_kwargs = pytree.tree_map(to_cpu, (args, kwargs))
+        func(*cpu_args, **cpu_kwargs)
+
+    def release(self) -> None:
+        """Drop the scratch buffers."""
+        self._scratch.clear()
+        self._chunks.clear()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is None:
             leaves = pytree.tree_leaves((args, kwargs))
-            metas = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_meta]
-            on_meta = bool(metas) or any(isinstance(x, torch.device) and x.type == "meta" for x in leaves)
-            if on_meta:
-                reuse = len(metas) == 1  # a second meta operand would alias the first view
-
-                def to_cpu(x: Any) -> Any:
-                    if isinstance(x, torch.Tensor) and x.is_meta:
-                        if reuse:
-                            return self._cpu_view(x)
-                        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
-                    if isinstance(x, torch.device) and x.type == "meta":
-                        return torch.device("cpu")
-                    return x
-
-                cpu_args, cpu_kwargs = pytree.tree_map(to_cpu, (args, kwargs))
-                func(*cpu_args, **cpu_kwargs)
+            on_meta = any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves) or any(
+                isinstance(x, torch.device) and x.type == "meta" for x in leaves)
+            if self.deferring:
+                if not on_meta:
+                    self.broken = True  # it drew from the global RNG now, ahead of the deferred draws
+                elif not self.in_init:
+                    self.tape.append(_TapedOp(func, args, kwargs))
+            elif on_meta:
+                self.advance(func, args, kwargs)
         return out
+
+
+_UNIFORM_CHUNK = 1 << 22  # elements per uniform_ chunk when only advancing the RNG (16 MiB of fp32)
+
+
+@dataclass
+class _TapedOp:
+    """A random op aimed at a meta tensor outside any init call, after the first one (e.g. a later constructor)."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
 
 
 @dataclass
 class _InitCall:
     module: nn.Module
     owner: nn.Module  # the PreTrainedModel whose _init_weights handles `module`
-    rng_state: torch.Tensor
+    rng_state: Optional[torch.Tensor]  # None until the build's walk of the tape reaches the call (deferred draws)
 
 
 @contextlib.contextmanager
-def _record_init_calls(calls: list[_InitCall]) -> Iterator[None]:
+def _record_init_calls(calls: list[_InitCall], shadow: _RngShadow) -> Iterator[None]:
     from transformers import PreTrainedModel
 
     original = PreTrainedModel._initialize_weights
 
     def recording(self: Any, module: nn.Module, is_custom_code: bool = False) -> None:
-        if not getattr(module, "_is_hf_initialized", False):
+        if getattr(module, "_is_hf_initialized", False):
+            return original(self, module, is_custom_code)
+        if shadow.tape is None:
             calls.append(_InitCall(module, self, torch.get_rng_state()))
-        return original(self, module, is_custom_code)
+            return original(self, module, is_custom_code)
+        if shadow.in_init:
+            shadow.broken = True  # a nested call: its draws would be replayed twice
+        if not shadow.deferring:
+            shadow.deferring, shadow.start_state = True, torch.get_rng_state()
+        call = _InitCall(module, self, None)
+        calls.append(call)
+        shadow.tape.append(call)
+        shadow.in_init += 1
+        try:
+            return original(self, module, is_custom_code)
+        finally:
+            shadow.in_init -= 1
 
     PreTrainedModel._initialize_weights = recording
     try:
@@ -212,20 +284,27 @@ class Skeleton:
     model: nn.Module
     source: ModelSource
     init_calls: list[_InitCall]
-    final_rng_state: Optional[torch.Tensor]
+    final_rng_state: Optional[torch.Tensor]  # None while init draws are deferred (known once the tape is walked)
     tied_keys: set[str]  # parameters that eager construction replaces by another (e.g. lm_head.weight)
+    tape: Optional[list] = None  # deferred init calls and random ops, in eager order
+    tape_start_state: Optional[torch.Tensor] = None  # the RNG state where the tape starts
 
 
 def build_skeleton(
-    source: ModelSource, model_cls: Any = None, dtype: torch.dtype = torch.float32, record_init: Optional[bool] = None
+    source: ModelSource, model_cls: Any = None, dtype: torch.dtype = torch.float32, record_init: Optional[bool] = None,
+    defer_init_draws: bool = False,
 ) -> Skeleton:
     """Construct the model with parameters on ``meta``.
 
     ``record_init`` (default: when ``source`` has no weights) records what a fresh init needs;
     it draws as many random numbers as eager construction would, so skip it when only sizing.
+    ``defer_init_draws`` leaves the draws of the ``_init_weights`` calls to the build's walk of the
+    tape (see the module docstring; a :class:`Materializer` must then fill every module, which
+    leaves the RNG where eager construction does); the global RNG meanwhile is not eager's final state.
     """
     cls = model_class(source.config, model_cls)
     calls: list[_InitCall] = []
+    tape, tape_start = None, None
     if record_init is None:
         record_init = not source.pretrained
     if not record_init:
@@ -235,9 +314,18 @@ def build_skeleton(
             model = _instantiate(cls, source.config, dtype)
         final_state = None
     else:
-        with _params_on_meta(), _RngShadow(), _record_init_calls(calls):
+        start = torch.get_rng_state()
+        shadow = _RngShadow(tape=[] if defer_init_draws else None)
+        with _params_on_meta(), shadow, _record_init_calls(calls, shadow):
             model = _instantiate(cls, source.config, dtype)
-        final_state = torch.get_rng_state()
+        if shadow.broken:
+            logger.info("%s: init draws cannot be deferred (random ops outside meta tensors); drawing them now",
+                        type(model).__name__)
+            torch.set_rng_state(start)
+            return build_skeleton(source, model_cls, dtype, record_init, defer_init_draws=False)
+        final_state = None if shadow.deferring else torch.get_rng_state()
+        if shadow.deferring:
+            tape, tape_start = shadow.tape, shadow.start_state
         if not calls:
             raise ConfigError(
                 f"{type(model).__name__} initializes its weights without PreTrainedModel._initialize_weights; "
@@ -247,7 +335,7 @@ def build_skeleton(
     # what tie_weights tied inside the context; tie again now that parameters keep their identity
     model.tie_weights()
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    return Skeleton(model, source, calls, final_state, tied)
+    return Skeleton(model, source, calls, final_state, tied, tape, tape_start)
 
 
 # --------------------------------------------------------------------------- materialization
@@ -314,6 +402,8 @@ class Materializer:
             seen.add(id(p))
         self._files: dict[Path, Any] = {}
         self.missing: list[str] = []
+        self.cursor = 0  # next tape entry (deferred init draws)
+        self.cursor_state = skeleton.tape_start_state
 
     def _handle(self, path: Path) -> Any:
         # plain reads rather than safe_open's memory map: mapped pages of a checkpoint larger than
@@ -343,13 +433,71 @@ class Materializer:
 
         wanted = set(modules)
         with torch.no_grad(), guard_torch_init_functions():
+            done = self._walk_tape(wanted) if self.sk.tape is not None else set()
             for call in self.sk.init_calls:
-                if call.module not in wanted:
+                if call.module not in wanted or id(call) in done:
                     continue
                 torch.set_rng_state(call.rng_state)
-                with _hidden(call.module, self._tied_here(call.module)):
-                    call.owner._init_weights(call.module)
-        torch.set_rng_state(self.sk.final_rng_state)
+                self._init(call)
+        if self.sk.tape is None:
+            torch.set_rng_state(self.sk.final_rng_state)
+        else:
+            torch.set_rng_state(self.cursor_state)
+            if self.cursor == len(self.sk.tape):
+                self.sk.final_rng_state = self.cursor_state
+
+    def _init(self, call: _InitCall, shadow: Optional[_RngShadow] = None) -> None:
+        """Run ``call`` on the module's real tensors; the draws aimed at hidden (tied) ones advance the RNG only
+        under ``shadow`` (needed when the next call continues from here rather than from its own state)."""
+        with _hidden(call.module, self._tied_here(call.module)), shadow or contextlib.nullcontext():
+            call.owner._init_weights(call.module)
+
+    def _walk_tape(self, wanted: set[nn.Module], to_end: bool = False) -> set[int]:
+        """Run the tape up to the last init call of ``wanted`` (or to its end): those draw into their tensors.
+
+        Returns the ids of the calls run for real. Calls of modules filled later are drawn on scratch (their
+        RNG state kept for their turn), and so are taped ops.
+        """
+        tape = self.sk.tape
+        last = len(tape) - 1 if to_end else max(
+            (i for i in range(self.cursor, len(tape)) if isinstance(tape[i], _InitCall) and tape[i].module in wanted),
+            default=-1)
+        done: set[int] = set()
+        if last < self.cursor:
+            return done
+        torch.set_rng_state(self.cursor_state)
+        shadow = _RngShadow(chunk_uniform=True)
+        try:
+            while self.cursor <= last:
+                entry = tape[self.cursor]
+                self.cursor += 1
+                if isinstance(entry, _TapedOp):
+                    shadow.advance(entry.func, entry.args, entry.kwargs)
+                    continue
+                entry.rng_state = torch.get_rng_state()
+                if entry.module in wanted:
+                    self._init(entry, shadow)
+                    done.add(id(entry))
+                else:
+                    # still on meta (a tied tensor filled already is hidden): the shadow draws what it would
+                    real = [n for n, p in entry.module._parameters.items() if p is not None and not p.is_meta]
+                    with _hidden(entry.module, real), shadow:
+                        entry.owner._init_weights(entry.module)
+        finally:
+            shadow.release()
+        self.cursor_state = torch.get_rng_state()
+        return done
+
+    def finish(self) -> None:
+        """Walk what is left of the tape (calls of modules no fill held) and leave the RNG where eager does."""
+        if self.sk.tape is None:
+            return
+        from transformers.initialization import guard_torch_init_functions
+
+        with torch.no_grad(), guard_torch_init_functions():
+            self._walk_tape(set(), to_end=True)
+        self.sk.final_rng_state = self.cursor_state
+        torch.set_rng_state(self.cursor_state)
 
     def _load(self, modules: list[nn.Module]) -> None:
         from transformers.initialization import guard_torch_init_functions
@@ -415,6 +563,24 @@ def release_host_memory() -> None:
 _malloc_trim: Any = None
 
 
+@contextlib.contextmanager
+def _older_objects_frozen() -> Iterator[None]:
+    """``gc.freeze()`` for the duration: FSDP's constructor runs ``gc.collect()`` once per unit, and with
+    transformers and torch_xla imported each collection walked ~0.5 M objects (0.2-0.5 s here, a unit).
+    Only objects that exist now are frozen (the imports, the meta skeleton); the tensors of each block are made
+    later and stay collectable. Left alone if the caller already froze objects (unfreezing would undo theirs)."""
+    import gc
+
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _post_order(module: nn.Module, stop: set[nn.Module]) -> list[nn.Module]:
     """Modules of the subtree in post-order (children first), not descending into ``stop``."""
     out: list[nn.Module] = []
@@ -452,8 +618,7 @@ def build_model(
     then block by block: base tensors read (or initialized), adapters initialized, shard.
     """
     from ..engines import engine_for
-    from . import wrapping
-    from .wrapping import replace_submodule, select_blocks, wrap_block, wrap_model
+    from .wrapping import wrap_model
 
     src = resolve_source(source)
     engine_for(plugin).setup_runtime(plugin)
@@ -465,7 +630,9 @@ def build_model(
             eager = require_peft().get_peft_model(eager, peft_config)
         return wrap_model(eager, plugin) if wrap_root else eager
 
-    sk = build_skeleton(src, model_cls=model_cls, dtype=dtype)
+    # adapters are initialized between fills from the global RNG, which must then already be eager's final state
+    sk = build_skeleton(src, model_cls=model_cls, dtype=dtype, defer_init_draws=peft_config is None)
+    release_host_memory()  # the skeleton's scratch draws leave freed heap behind
     model, key_of, init_adapters = sk.model, None, None
     if peft_config is not None:
         from . import adapters
@@ -475,6 +642,16 @@ def build_model(
 
         def init_adapters(modules: list[nn.Module]) -> None:
             adapters.init_adapters(adapters.adapter_layers(modules), model)
+    with _older_objects_frozen():
+        return _fill_and_wrap(sk, model, plugin, key_of, init_adapters, progress=progress, wrap_root=wrap_root)
+
+
+def _fill_and_wrap(sk: Skeleton, model: nn.Module, plugin: "XlaFsdpPlugin", key_of: Any, init_adapters: Any, *,
+                   progress: bool, wrap_root: bool) -> nn.Module:
+    """Materialize, initialize and shard ``model`` block by block, then the root (see :func:`build_model`)."""
+    from . import wrapping
+    from .wrapping import replace_submodule, select_blocks, wrap_block
+
     names = select_blocks(model, plugin)
     blocks = [model.get_submodule(n) for n in names]
     done: set[nn.Module] = set()
@@ -495,6 +672,7 @@ def build_model(
         release_host_memory()
     rest = _post_order(sk.model, stop=done)  # the base's own tree (peft's wrappers hold no tensors of their own)
     filler.fill(rest)
+    filler.finish()
     if init_adapters is not None:
         init_adapters(rest)
     filler.close()
