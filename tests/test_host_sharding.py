@@ -161,3 +161,13 @@ def test_parameters_already_on_the_device_take_the_stock_path():
     x = torch.randn(4, 5)
     out = unit(x.to(torch_xla.device())).cpu()
     assert torch.allclose(out, ref(x), atol=1e-6)
+
+
+def test_the_class_reads_as_stock_fsdp_and_pickles_by_reference():
+    import pickle
+
+    from hf_xla_fsdp.engines import v1
+
+    cls = host_sharding_unit_class()
+    assert cls.__name__ == "XlaFullyShardedDataParallel"  # reprs and error messages name the stock class
+    assert pickle.loads(pickle.dumps(cls)) is cls and v1.HostShardingXlaFsdp is cls

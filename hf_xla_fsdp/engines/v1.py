@@ -139,9 +139,19 @@ def host_sharding_unit_class() -> type:
                 m._parameters.pop(n)
                 object.__setattr__(m, n, getattr(shared_m, shared_n))
 
-    # users see the stock name in reprs and messages ("already wrapped with XlaFullyShardedDataParallel")
-    HostShardingXlaFsdp.__name__ = HostShardingXlaFsdp.__qualname__ = "XlaFullyShardedDataParallel"
+    # users see the stock name in reprs and messages ("already wrapped with XlaFullyShardedDataParallel");
+    # the qualified name stays this module's HostShardingXlaFsdp (see __getattr__), so pickle finds the class
+    HostShardingXlaFsdp.__name__ = "XlaFullyShardedDataParallel"
+    HostShardingXlaFsdp.__qualname__ = "HostShardingXlaFsdp"
+    HostShardingXlaFsdp.__module__ = __name__
     return HostShardingXlaFsdp
+
+
+def __getattr__(name: str) -> Any:
+    """``HostShardingXlaFsdp``, made on first use (importing torch_xla starts its runtime)."""
+    if name == "HostShardingXlaFsdp":
+        return host_sharding_unit_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _placeholder(p: torch.Tensor, device: Any, flat_cls: type) -> Optional[torch.Tensor]:
