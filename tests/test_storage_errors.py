@@ -123,3 +123,39 @@ def test_no_space_left_during_save_and_consolidation(tmp_path, small_disk, ckpt)
         consolidate(ckpt, small_disk / "out", progress=False)
     assert "[Errno 28] No space left on device" in str(err.value) and "nothing was written" in str(err.value)
     assert sorted(p.name for p in small_disk.iterdir()) == ["checkpoint-1"]
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    """A real file system holding a checkpoint, then remounted read-only (EROFS for root too, unlike a chmod).
+    Skipped where mounting is not allowed (the chmod test above covers a non-root user)."""
+    mount = tmp_path / "read_only_disk"
+    mount.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()})")
+    model = build_ranks(tiny_llama(), 1)[0]
+    try:
+        save_checkpoint(mount / "checkpoint-1", model, step=1)
+        (mount / "out").mkdir()
+        (mount / "out" / "model.safetensors").write_bytes(b"the previous consolidation")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, capture_output=True)
+        yield mount, model
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_read_only_file_system_during_save_and_consolidation(read_only_disk, ckpt):
+    mount, model = read_only_disk
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(mount / "checkpoint-2", model, step=2)
+    line = str(err.value)
+    assert len(line.splitlines()) == 1 and "failed on rank 0: [Errno 30] Read-only file system" in line, line
+    assert "earlier checkpoints are untouched" in line
+    with pytest.raises(CheckpointError) as err:
+        consolidate(ckpt, mount / "out", overwrite=True, progress=False)
+    line = str(err.value)
+    assert len(line.splitlines()) == 1 and "[Errno 30] Read-only file system" in line, line
+    assert sorted(p.name for p in mount.iterdir()) == ["checkpoint-1", "out"]
+    assert verify_checkpoint(mount / "checkpoint-1")["files"] == 1
+    assert (mount / "out" / "model.safetensors").read_bytes() == b"the previous consolidation"

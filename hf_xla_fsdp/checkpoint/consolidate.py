@@ -140,6 +140,23 @@ def load_config(config: Union[str, os.PathLike, None], ranks: RankSet) -> Any:
     return CONFIG_MAPPING[saved["model_type"]].from_dict(saved)
 
 
+def write_config(config: Any, directory: Path, dtype: Optional[torch.dtype]) -> None:
+    """``config.json`` in ``directory``: a transformers config through ``save_pretrained``, or the dict a
+    checkpoint saved (``config.to_dict()``) as the full JSON ``from_pretrained`` reads, with ``dtype`` set."""
+    if not isinstance(config, dict):
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(str(directory))
+        return
+    from importlib.metadata import version
+
+    values = {k: v for k, v in config.items() if k != "_name_or_path"}  # a path on the machine that trained it
+    if dtype is not None:
+        values["dtype"] = str(dtype).removeprefix("torch.")
+    values["transformers_version"] = version("transformers")
+    write_bytes_atomic(directory / "config.json", (json.dumps(values, indent=2, sort_keys=True) + "\n").encode())
+
+
 def expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes of the tensors ``from_pretrained`` expects for ``config``, and its tied names."""
     from ..build.meta_init import model_class
@@ -241,8 +258,15 @@ def consolidate(
     elif (ranks.meta or {}).get("peft"):
         raise CheckpointError(f"{ckpt} is a checkpoint of a PEFT model: `hf-xla-fsdp consolidate` writes its adapter "
                               "files, and --merge-adapters the full model with the adapters merged in")
-    cfg = load_config(config, ranks)
-    check_against_config(plan, cfg)
+    saved = (ranks.meta or {}).get("model_config")
+    if config is None and plan_transform is None and saved:
+        # the rank files' own config describes the very model their tensors were saved from, so the check
+        # would compare the model with itself; written back as JSON it needs no transformers import, whose
+        # config classes pull in torch._dynamo (~190 MiB, more than the rest of a consolidation)
+        cfg: Any = dict(saved)
+    else:
+        cfg = load_config(config, ranks)
+        check_against_config(plan, cfg)
     if out_dtype is not None:
         for t in plan:
             if t.dtype.is_floating_point:
@@ -277,9 +301,7 @@ def consolidate(
                      "weight_map": split.tensor_to_filename}
             write_bytes_atomic(stage / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True).encode())
         float_dtypes = {t.dtype for t in plan if t.dtype.is_floating_point}
-        if len(float_dtypes) == 1:
-            cfg.dtype = float_dtypes.pop()
-        cfg.save_pretrained(str(stage))
+        write_config(cfg, stage, float_dtypes.pop() if len(float_dtypes) == 1 else None)
         side = copy_side_files(side_file_sources(ckpt, config), stage)
         info = training_info(ranks)
         if info:
