@@ -361,7 +361,8 @@ class Fetched:
             listed = sorted(_listed(marker))
         except (ValueError, KeyError, TypeError, AttributeError):
             return  # read_marker reports the damage
-        wanted = listed if names is None else [n for n in listed if n in set(names)]
+        keep = None if names is None else set(names) | {f"{Path(n).stem}.json" for n in names}
+        wanted = listed if keep is None else [n for n in listed if n in keep]
         present = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
         if names is None:  # a whole read (consolidation): the small side files too (config, tokenizer, state)
             wanted += [n for n in present if not n.startswith(("rank-", ".")) and n not in listed
