@@ -38,7 +38,7 @@ from .layout import (
 from .readers import LAYOUT_FLAT
 from .safetensors_io import write_safetensors_streaming
 from .state import rng_meta
-from .storage import LocalStorage, Storage, host_id, open_storage
+from .storage import LocalStorage, Storage, host_id, is_url, local_path, open_storage
 
 
 def rank_world(model: nn.Module) -> tuple[int, int]:
@@ -316,7 +316,7 @@ def save_checkpoint(
     from . import background
 
     store = open_storage(ckpt_dir, storage)  # a bad mode or a URL without its driver: one line, before any write
-    ckpt_dir = ckpt_dir if isinstance(ckpt_dir, str) and "://" in ckpt_dir else Path(ckpt_dir)
+    ckpt_dir = str(ckpt_dir) if is_url(ckpt_dir) else local_path(ckpt_dir)  # file:// is a plain path
     background.wait_for_pending_save()  # one save in flight at most, and an earlier failure is raised here
     rank, world = rank_world(model)
 
