@@ -19,7 +19,7 @@ import torch
 from helpers import build_rank, build_ranks, fake_adam_rank, run_ranks, save_ranks, tiny_llama
 
 from hf_xla_fsdp import cli
-from hf_xla_fsdp.checkpoint import COMPLETE_MARKER, load_checkpoint, open_checkpoint, save_checkpoint
+from hf_xla_fsdp.checkpoint import COMPLETE_MARKER, load_checkpoint, open_checkpoint, save_checkpoint, wait_for_pending_save
 from hf_xla_fsdp.checkpoint.consolidate import consolidate, read_full_state_dict
 from hf_xla_fsdp.checkpoint.storage import host_marker_name, resolve_mode
 from hf_xla_fsdp.checkpoint.verify import verify_checkpoint
@@ -174,6 +174,10 @@ def test_memory_url_save_load_consolidate_and_bad_input(tmp_path):
     assert fs.cat_file("/pod/final/model.safetensors") == (tmp_path / "same_out" / "model.safetensors").read_bytes()
     with pytest.raises(FileExistsError, match="pass --overwrite"):
         consolidate(url, "memory://pod/final", progress=False)
+    later = "memory://pod/run/checkpoint-1"  # async: the URL is kept as it is (a Path would fold its "//")
+    assert save_checkpoint(later, model, step=4, async_save=True) == later
+    assert wait_for_pending_save() == later
+    assert verify_checkpoint(later)["checksummed_files"] == 1
     fs.rm_file("/pod/run/checkpoint-0/" + COMPLETE_MARKER)  # a save that never got its marker is never read
     with pytest.raises(CheckpointError, match="incomplete"):
         load_checkpoint(url, model)
