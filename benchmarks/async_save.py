@@ -31,8 +31,9 @@ from _harness import emit, run_json_child
 from meta_init import MODEL  # the 325M model
 
 
-def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layers: int) -> None:
-    """Train ``steps`` steps with a save every ``save_every``; print the stalls as JSON."""
+def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layers: int, keep: int) -> None:
+    """Train ``steps`` steps with a save every ``save_every``, keeping the newest ``keep`` checkpoints (as the
+    Trainer's ``save_total_limit``; each one's digest is taken before it goes); print the stalls as JSON."""
     import torch
     import torch_xla
     from transformers import LlamaConfig
@@ -47,7 +48,16 @@ def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layer
     model = plugin.build(LlamaConfig(**{**MODEL, "num_hidden_layers": layers}), progress=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
-    stalls, waits, losses, background = [], [], [], []
+    stalls, waits, losses, background, digests = [], [], [], [], {}
+    published: list[Path] = []
+    sizes: list[int] = []
+
+    def rotate(limit: int) -> None:  # only complete checkpoints: every earlier save has been waited for
+        while len(published) > limit:
+            old = published.pop(0)
+            digests[old.name] = digest(old)
+            sizes.append((old / "rank-00000-of-00001.safetensors").stat().st_size)
+            shutil.rmtree(old)
     start = time.perf_counter()
     for i in range(1, steps + 1):
         ids = torch.randint(0, MODEL["vocab_size"], (1, seq_len), generator=g).to(device)
@@ -66,14 +76,18 @@ def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layer
             waits.append(round(time.perf_counter() - t, 3))
             save_checkpoint(out / f"checkpoint-{i}", model, optimizer, step=i, async_save=(mode == "async"))
             stalls.append(round(time.perf_counter() - t, 3))
+            rotate(keep if mode == "sync" else keep + 1)  # an async save in flight is not complete yet
+            published.append(out / f"checkpoint-{i}")
     waited, previous = time.perf_counter(), pending_save()
     wait_for_pending_save()
     if previous is not None:
         background.append(round(previous.seconds, 3))
+    final_wait = round(time.perf_counter() - waited, 3)
+    run_seconds = round(time.perf_counter() - start, 2)
+    rotate(0)
     emit({"mode": mode, "stall_seconds": stalls, "of_which_waiting_for_the_previous_save": waits,
-          "background_write_seconds": background,
-          "final_wait_seconds": round(time.perf_counter() - waited, 3),
-          "run_seconds": round(time.perf_counter() - start, 2), "losses": losses})
+          "background_write_seconds": background, "final_wait_seconds": final_wait,
+          "run_seconds": run_seconds, "losses": losses, "digests": digests, "file_bytes": max(sizes)})
 
 
 def digest(ckpt: Path) -> str:
@@ -92,11 +106,12 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"], help="fewer layers: a quicker check")
+    p.add_argument("--keep", type=int, default=2, help="newest checkpoints kept on disk, as save_total_limit")
     p.add_argument("--child", choices=["sync", "async"], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.out, args.steps, args.save_every, args.seq_len, args.layers)
+        child(args.child, args.out, args.steps, args.save_every, args.seq_len, args.layers, args.keep)
         return
     work = Path(tempfile.mkdtemp(prefix="async_save_bench_"))
     try:
@@ -104,10 +119,13 @@ def main() -> None:
         for mode in ("sync", "async"):
             results[mode] = run_json_child(
                 [__file__, "--child", mode, "--out", work / mode, "--steps", args.steps, "--save-every",
-                 args.save_every, "--seq-len", args.seq_len, "--layers", args.layers], name=f"{mode} run")
-        names = sorted(d.name for d in (work / "sync").iterdir() if d.name.startswith("checkpoint-"))
-        same = all(digest(work / "sync" / n) == digest(work / "async" / n) for n in names)
-        file_bytes = (work / "sync" / names[-1] / "rank-00000-of-00001.safetensors").stat().st_size
+                 args.save_every, "--seq-len", args.seq_len, "--layers", args.layers, "--keep", args.keep],
+                name=f"{mode} run")
+        same = results["sync"]["digests"] == results["async"]["digests"] and bool(results["sync"]["digests"])
+        file_bytes = results["sync"]["file_bytes"]
+        for mode in results:
+            results[mode].pop("digests")
+            results[mode].pop("file_bytes")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     def steady(mode: str) -> float:

@@ -15,8 +15,9 @@ Prints JSON: per path the peak RSS (each child's own VmHWM, see _harness.py), th
 time of the work and of the whole process; whether every output is identical to the reference's.
 Targets (issue 15, item 6), for every input format: peak above ``import torch`` <= 128 MiB + the
 largest tensor, >= 5x below the reference's (both above ``import torch``), process time <= today's.
-``above_imports_mib`` is the peak above the child's baseline after the imports every consolidation needs
-(transformers' config and model classes, which alone take ~190 MiB above ``import torch`` here).
+``above_imports_mib`` is the peak above the child's baseline after the imports its path needs: for our own rank
+files only ours (they carry their model's config, written back as JSON); for ``.pth`` / ``.bin`` files, checked
+against ``--config``, also transformers' config and model classes (~190 MiB above ``import torch`` here).
 Checksum cost (issue 15): our consolidation of the same rank files with their CRC-32C checksums checked, with
 zlib's CRC-32 instead, and with no checksums (the tables removed, as an earlier version wrote them), each run
 --repeats times alternately (best and median of each reported; ``--checksums-only`` runs just this);
@@ -79,7 +80,7 @@ def run_ours(source: Path, out: Path, config: Path | None, suffix: str | None = 
         rc = main(args)
     assert rc == 0
     return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": vm_hwm_bytes(),
-            "imported_torch_xla": "torch_xla" in sys.modules}
+            "imported_torch_xla": "torch_xla" in sys.modules, "imported_transformers": "transformers" in sys.modules}
 
 
 def run_reference(trainer_dir: Path, out: Path) -> dict:
@@ -114,12 +115,15 @@ def baseline_rss(kind: str) -> tuple[int, int]:
     import torch  # noqa: F401  (the CUDA build of torch 2.9.0 maps ~0.5 GB of libraries)
 
     torch_only = vm_hwm_bytes()
-    if kind == "ours":
-        # what any consolidation imports before reading a tensor: transformers' config and model classes
-        # (to check the checkpoint against the config on meta and write config.json): ~190 MiB with transformers 5
-        from transformers.models.llama import configuration_llama, modeling_llama  # noqa: F401
-
+    if kind.startswith("ours"):
+        import hf_xla_fsdp.cli  # noqa: F401
         import hf_xla_fsdp.consolidate  # noqa: F401
+
+        if kind != "ours":
+            # a foreign checkpoint is checked against its --config on meta: transformers' config and model classes,
+            # which pull in torch._dynamo (~190 MiB above `import torch` with transformers 5); our own rank files
+            # carry their config and need none of it
+            from transformers.models.llama import configuration_llama, modeling_llama  # noqa: F401
     else:
         import torch_xla.distributed.fsdp  # noqa: F401
         import transformers  # noqa: F401
@@ -131,7 +135,7 @@ def child(args: argparse.Namespace) -> None:
     work = Path(args.workdir)
     if args.child == "rank":
         return make_rank(work, args.rank, args.world_size)
-    torch_rss, base = baseline_rss("reference" if args.child.startswith("reference") else "ours")
+    torch_rss, base = baseline_rss("reference" if args.child.startswith("reference") else args.child)
     if args.child == "ours":
         result = run_ours(work / "ours", work / "out_ours", None)
     elif args.child in ("ours_crc32", "ours_unverified"):
@@ -308,7 +312,7 @@ def main() -> None:
             "input": fmt, "reference": ref_kind, "peak_rss_mib": mib(r["peak_rss"]),
             "above_torch_import_mib": mib(above(r)), "above_imports_mib": mib(r["peak_rss"] - r["baseline_rss"]),
             "seconds": r["seconds"], "process_seconds": r["process_seconds"],
-            "imported_torch_xla": r["imported_torch_xla"],
+            "imported_torch_xla": r["imported_torch_xla"], "imported_transformers": r["imported_transformers"],
             "above_torch_import_ratio_reference_over_ours": round(above(ref) / above(r), 2),
             "peak_ratio_reference_over_ours": round(ref["peak_rss"] / r["peak_rss"], 2),
             "process_time_ratio_reference_over_ours": round(ref["process_seconds"] / r["process_seconds"], 2),

@@ -93,6 +93,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gather(args: argparse.Namespace) -> int:
+    """Bring the host directories of a local-mode checkpoint (per-host disks) together into one checkpoint."""
+    from .checkpoint.gather import gather_checkpoint
+
+    print(json.dumps(gather_checkpoint(args.sources, args.output, overwrite=args.overwrite), indent=2))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """Consolidated model + model card in DIR, optionally pushed to the Hub."""
     _no_xla_runtime()
@@ -156,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", help="an hf_xla_fsdp checkpoint dir (also a Trainer checkpoint dir or a torch_xla file prefix)")
     p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None, help="glob after the prefix for torch_xla-style files")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gather", help="copy a local-mode checkpoint's parts from every host's directory into one")
+    p.add_argument("sources", nargs="+", help="every host's directory of the checkpoint (paths, or URLs such as gs://)")
+    p.add_argument("--output", "-o", required=True, help="directory (or URL) to write; must not exist, unless --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
+    p.set_defaults(func=cmd_gather)
 
     p = sub.add_parser("export", help="consolidated model + generated model card in DIR, optionally pushed to the Hub")
     p.add_argument("source", help="a sharded checkpoint (as for consolidate) or an already consolidated directory")

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _SHARDING = ("zero3", "zero2")
 CHECKPOINT_FORMATS = ("sharded", "sharded+consolidated")
+CHECKPOINT_STORAGES = ("auto", "shared", "local", "object")  # checkpoint/storage.py: one backend each
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
 _LEGACY_STRATEGIES = {"full_shard": "zero3", "shard_grad_op": "zero2"}
@@ -107,6 +108,11 @@ class XlaFsdpPlugin:
                                       "for the copy of this rank's shard to host memory (one extra copy of it in host "
                                       "RAM); writing, fsync and the completion marker run in a background thread, "
                                       "and the next save, a load and the end of training wait for it")
+    checkpoint_storage: str = setting("auto", "where checkpoint files go and what commits a save: 'shared' (one file "
+                                              "system: staging directory renamed into place), 'object' (a gcsfuse "
+                                              "mount or a gs:// URL: files in place, the completion marker written "
+                                              "last), 'local' (per-host disks: a marker per host, then `hf-xla-fsdp "
+                                              "gather`); 'auto': object for a URL or a FUSE mount, else shared")
     save_on_preemption: bool = setting(True, "on SIGTERM (a preemptible TPU VM about to stop), save a checkpoint at "
                                              "the next step boundary and stop cleanly: XlaFsdpTrainer when "
                                              "save_strategy is not 'no' (then exits with code 0); XlaFsdpAccelerator "
@@ -144,6 +150,11 @@ class XlaFsdpPlugin:
             raise ConfigError(f"checkpoint_format={self.checkpoint_format!r} is not valid; allowed values: "
                               + ", ".join(repr(f) for f in CHECKPOINT_FORMATS))
         self.checkpoint_format = fmt
+        storage = str(self.checkpoint_storage).strip().lower()
+        if storage not in CHECKPOINT_STORAGES:
+            raise ConfigError(f"checkpoint_storage={self.checkpoint_storage!r} is not valid; allowed values: "
+                              + ", ".join(repr(f) for f in CHECKPOINT_STORAGES))
+        self.checkpoint_storage = storage
         self.consolidate_dtype = str(self.consolidate_dtype).strip().lower()
         if self.consolidate_dtype != "auto":
             parse_dtype(self.consolidate_dtype, "consolidate_dtype")

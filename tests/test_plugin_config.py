@@ -37,6 +37,7 @@ def test_dtype_strings(value, expected):
         (dict(version=2, shard_param_on_dim_0=True), "shard_param_on_dim_0 applies to version=1"),
         (dict(version=3), "version=3 is not valid; allowed values: 1"),
         (dict(checkpoint_format="zip"), "checkpoint_format='zip' is not valid"),
+        (dict(checkpoint_storage="nfs"), "checkpoint_storage='nfs' is not valid; allowed values: 'auto', 'shared'"),
         (dict(consolidate_max_shard_size="huge"), "consolidate_max_shard_size='huge' is not a size"),
         (dict(transformer_layer_cls_to_wrap=[1, 2]), "transformer_layer_cls_to_wrap=[1, 2] must be a class name"),
         (dict(sharding_rank=0), "must be given together"),
@@ -213,3 +214,11 @@ def test_size_and_no_wrap_policies():
     root = XlaFsdpPlugin.from_fsdp_config({"xla": True, "fsdp_auto_wrap_policy": "NO_WRAP",
                                            "fsdp_reshard_after_forward": "FULL_SHARD"})
     assert root.sharding == "zero2"  # one unit, the root
+
+
+def test_checkpoint_storage_flows_from_fsdp_config_and_accelerate_yaml(tmp_path):
+    assert XlaFsdpPlugin().checkpoint_storage == "auto"
+    assert XlaFsdpPlugin.from_fsdp_config({"xla": True, "checkpoint_storage": "Local"}).checkpoint_storage == "local"
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(ACCELERATE_CONFIG_FSDP.replace("fsdp_config:\n", "fsdp_config:\n  checkpoint_storage: object\n", 1))
+    assert XlaFsdpPlugin.from_accelerate_config(path).checkpoint_storage == "object"

@@ -4,6 +4,7 @@ checkpoint and any existing output untouched."""
 
 from __future__ import annotations
 
+import gc
 import os
 import resource
 import subprocess
@@ -96,6 +97,14 @@ def test_consolidation_into_a_path_that_cannot_be_a_directory(tmp_path, ckpt):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["not_a_dir"]
 
 
+def unmount(mount) -> None:
+    """Unmount a test file system: memory maps of its files held by objects not yet collected keep it busy, and a
+    lazy unmount is the fallback so no mount outlives the test."""
+    gc.collect()
+    if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(mount)], check=False, capture_output=True)
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 1 MiB file system (tmpfs): writes past its size fail with ENOSPC. Skipped where mounting is not allowed."""
@@ -107,7 +116,7 @@ def small_disk(tmp_path):
     try:
         yield mount
     finally:
-        subprocess.run(["umount", str(mount)], check=False)
+        unmount(mount)
 
 
 def test_no_space_left_during_save_and_consolidation(tmp_path, small_disk, ckpt):
@@ -123,3 +132,39 @@ def test_no_space_left_during_save_and_consolidation(tmp_path, small_disk, ckpt)
         consolidate(ckpt, small_disk / "out", progress=False)
     assert "[Errno 28] No space left on device" in str(err.value) and "nothing was written" in str(err.value)
     assert sorted(p.name for p in small_disk.iterdir()) == ["checkpoint-1"]
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    """A real file system holding a checkpoint, then remounted read-only (EROFS for root too, unlike a chmod).
+    Skipped where mounting is not allowed (the chmod test above covers a non-root user)."""
+    mount = tmp_path / "read_only_disk"
+    mount.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()})")
+    model = build_ranks(tiny_llama(), 1)[0]
+    try:
+        save_checkpoint(mount / "checkpoint-1", model, step=1)
+        (mount / "out").mkdir()
+        (mount / "out" / "model.safetensors").write_bytes(b"the previous consolidation")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True, capture_output=True)
+        yield mount, model
+    finally:
+        unmount(mount)
+
+
+def test_read_only_file_system_during_save_and_consolidation(read_only_disk, ckpt):
+    mount, model = read_only_disk
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(mount / "checkpoint-2", model, step=2)
+    line = str(err.value)
+    assert len(line.splitlines()) == 1 and "failed on rank 0: [Errno 30] Read-only file system" in line, line
+    assert "earlier checkpoints are untouched" in line
+    with pytest.raises(CheckpointError) as err:
+        consolidate(ckpt, mount / "out", overwrite=True, progress=False)
+    line = str(err.value)
+    assert len(line.splitlines()) == 1 and "[Errno 30] Read-only file system" in line, line
+    assert sorted(p.name for p in mount.iterdir()) == ["checkpoint-1", "out"]
+    assert verify_checkpoint(mount / "checkpoint-1")["files"] == 1
+    assert (mount / "out" / "model.safetensors").read_bytes() == b"the previous consolidation"

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from ..errors import CheckpointError
 
@@ -25,14 +25,15 @@ logger = logging.getLogger(__name__)
 class PendingSave:
     """A save running in a background thread; :meth:`wait` joins it and raises its failure."""
 
-    def __init__(self, ckpt_dir: Path, job: Callable[[], Any],
-                 after: Optional[Callable[[Path], None]] = None) -> None:
-        self.ckpt_dir = ckpt_dir
+    def __init__(self, ckpt_dir: Union[str, Path], job: Callable[[], Any],
+                 after: Optional[Callable[[Any], None]] = None) -> None:
+        self.ckpt_dir = ckpt_dir  # a Path, or an fsspec URL kept as text (Path would fold its "//")
         self.error: Optional[BaseException] = None
         self._after = after
         #: wall time of the background work (write, fsync, report, commit), once it has ended
         self.seconds: Optional[float] = None
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"hf_xla_fsdp-save-{ckpt_dir.name}")
+        name = str(ckpt_dir).rstrip("/").rsplit("/", 1)[-1]
+        self._thread = threading.Thread(target=self._run, args=(job,), name=f"hf_xla_fsdp-save-{name}")
         self._thread.start()  # not a daemon: the interpreter finishes the save before it exits
 
     def _run(self, job: Callable[[], Any]) -> None:
@@ -48,7 +49,7 @@ class PendingSave:
         """True once the background work has ended (successfully or not)."""
         return not self._thread.is_alive()
 
-    def wait(self) -> Path:
+    def wait(self) -> Union[str, Path]:
         """Block until the save has ended; raise its failure as one line, else run ``after`` and return the path."""
         self._thread.join()
         if self.error is not None:
@@ -68,7 +69,8 @@ _pending: Optional[PendingSave] = None
 _registered = False
 
 
-def start(ckpt_dir: Path, job: Callable[[], Any], after: Optional[Callable[[Path], None]] = None) -> PendingSave:
+def start(ckpt_dir: Union[str, Path], job: Callable[[], Any],
+          after: Optional[Callable[[Any], None]] = None) -> PendingSave:
     """Run ``job`` (the rank's write and the commit) in a background thread; ``after(ckpt_dir)`` runs on the thread
     that waits for it, once it succeeded. Call :func:`wait_for_pending_save` first."""
     global _pending, _registered
@@ -78,11 +80,11 @@ def start(ckpt_dir: Path, job: Callable[[], Any], after: Optional[Callable[[Path
             _registered = True
         if _pending is not None:
             raise CheckpointError("a checkpoint save is still pending; call wait_for_pending_save() first")
-        _pending = PendingSave(Path(ckpt_dir), job, after)
+        _pending = PendingSave(ckpt_dir, job, after)
         return _pending
 
 
-def wait_for_pending_save() -> Optional[Path]:
+def wait_for_pending_save() -> Union[str, Path, None]:
     """Wait for the background save in flight (if any) and raise its failure; returns its directory, or None.
 
     Saves, loads, ``XlaFsdpTrainer.train`` and ``XlaFsdpAccelerator.end_training`` call it; call it yourself

@@ -140,6 +140,23 @@ def load_config(config: Union[str, os.PathLike, None], ranks: RankSet) -> Any:
     return CONFIG_MAPPING[saved["model_type"]].from_dict(saved)
 
 
+def write_config(config: Any, directory: Path, dtype: Optional[torch.dtype]) -> None:
+    """``config.json`` in ``directory``: a transformers config through ``save_pretrained``, or the dict a
+    checkpoint saved (``config.to_dict()``) as the full JSON ``from_pretrained`` reads, with ``dtype`` set."""
+    if not isinstance(config, dict):
+        if dtype is not None:
+            config.dtype = dtype
+        config.save_pretrained(str(directory))
+        return
+    from importlib.metadata import version
+
+    values = {k: v for k, v in config.items() if k != "_name_or_path"}  # a path on the machine that trained it
+    if dtype is not None:
+        values["dtype"] = str(dtype).removeprefix("torch.")
+    values["transformers_version"] = version("transformers")
+    write_bytes_atomic(directory / "config.json", (json.dumps(values, indent=2, sort_keys=True) + "\n").encode())
+
+
 def expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes of the tensors ``from_pretrained`` expects for ``config``, and its tied names."""
     from ..build.meta_init import model_class
@@ -229,10 +246,19 @@ def consolidate(
     prefix matched with ``ckpt_suffix``. Validation happens before anything is written, and the
     output appears only when complete. ``plan_transform(ranks, tensors)`` may rewrite the output
     tensors (e.g. LoRA adapters merged into their base weights). Returns a summary (files, tensors, bytes).
+    ``ckpt`` and ``output`` may be fsspec URLs (``memory://``, ``gs://`` with the ``[cloud]`` extra): the input is
+    read from a local copy of the files its marker lists, the output written locally and then uploaded.
     """
     from huggingface_hub import split_state_dict_into_shards_factory
     from tqdm.auto import tqdm
 
+    from .storage import is_url, local_path
+
+    ckpt = ckpt if is_url(ckpt) else local_path(ckpt)  # file:// is a plain path
+    if is_url(output):
+        return _consolidate_to_url(ckpt, str(output), overwrite=overwrite, ckpt_suffix=ckpt_suffix, config=config,
+                                   dtype=dtype, max_shard_size=max_shard_size, progress=progress,
+                                   plan_transform=plan_transform)
     out_dtype = None if dtype == "auto" else parse_dtype(dtype, "dtype")
     ranks = open_checkpoint(ckpt, ckpt_suffix)
     plan = plan_outputs(ranks)
@@ -241,8 +267,15 @@ def consolidate(
     elif (ranks.meta or {}).get("peft"):
         raise CheckpointError(f"{ckpt} is a checkpoint of a PEFT model: `hf-xla-fsdp consolidate` writes its adapter "
                               "files, and --merge-adapters the full model with the adapters merged in")
-    cfg = load_config(config, ranks)
-    check_against_config(plan, cfg)
+    saved = (ranks.meta or {}).get("model_config")
+    if config is None and plan_transform is None and saved:
+        # the rank files' own config describes the very model their tensors were saved from, so the check
+        # would compare the model with itself; written back as JSON it needs no transformers import, whose
+        # config classes pull in torch._dynamo (~190 MiB, more than the rest of a consolidation)
+        cfg: Any = dict(saved)
+    else:
+        cfg = load_config(config, ranks)
+        check_against_config(plan, cfg)
     if out_dtype is not None:
         for t in plan:
             if t.dtype.is_floating_point:
@@ -253,7 +286,7 @@ def consolidate(
         filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size,
     )
     by_name = {t.name: t for t in plan}
-    output = Path(output)
+    output = local_path(output)
     try:
         stage = prepare_output(output, overwrite)
     except OSError as err:
@@ -277,10 +310,9 @@ def consolidate(
                      "weight_map": split.tensor_to_filename}
             write_bytes_atomic(stage / "model.safetensors.index.json", json.dumps(index, indent=2, sort_keys=True).encode())
         float_dtypes = {t.dtype for t in plan if t.dtype.is_floating_point}
-        if len(float_dtypes) == 1:
-            cfg.dtype = float_dtypes.pop()
-        cfg.save_pretrained(str(stage))
-        side = copy_side_files(side_file_sources(ckpt, config), stage)
+        write_config(cfg, stage, float_dtypes.pop() if len(float_dtypes) == 1 else None)
+        fetched = getattr(ranks, "fetched", None)  # a URL's local copy holds its side files
+        side = copy_side_files(side_file_sources(fetched.path if fetched else ckpt, config), stage)
         info = training_info(ranks)
         if info:
             write_bytes_atomic(stage / TRAINING_INFO, json.dumps(info, indent=2).encode())
@@ -298,6 +330,35 @@ def consolidate(
         "files": sorted(split.filename_to_tensors), "total_bytes": sum(t.numel * t.dtype.itemsize for t in plan),
         "side_files": side,
     }
+
+
+def _consolidate_to_url(ckpt: Union[str, os.PathLike], output: str, *, overwrite: bool, **kwargs: Any) -> dict[str, Any]:
+    """:func:`consolidate` into a local temporary directory, then uploaded to ``output`` (config.json last, so a
+    directory with a config has its weights); a failed upload removes what it wrote."""
+    import tempfile
+
+    from .storage import remote_fs
+
+    fs, root = remote_fs(output)
+    if fs.exists(root) and fs.ls(root, detail=False):
+        if not overwrite:
+            raise FileExistsError(f"output directory {output} already exists and is not empty; pass --overwrite to "
+                                  "replace it")
+        fs.rm(root, recursive=True)
+    with tempfile.TemporaryDirectory(prefix="hf_xla_fsdp-consolidate-", dir=os.environ.get("HF_XLA_FSDP_SPOOL")) as tmp:
+        summary = consolidate(ckpt, Path(tmp) / "out", **kwargs)
+        local = Path(tmp) / "out"
+        names = sorted(p.name for p in local.iterdir())
+        names = [n for n in names if n != "config.json"] + [n for n in names if n == "config.json"]
+        try:
+            fs.makedirs(root, exist_ok=True)
+            for name in names:
+                fs.put_file(str(local / name), f"{root}/{name}")
+        except BaseException:
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+            raise
+    return {**summary, "output": output}
 
 
 # --------------------------------------------------------------------------- save, then consolidate

@@ -17,7 +17,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from ..errors import CheckpointError
 
@@ -149,3 +149,15 @@ def read_marker(directory: Path) -> dict[str, Any]:
     if len(files) != world:
         raise CheckpointError(f"{path} lists {len(files)} rank files for a world of {world}")
     return marker
+
+
+def latest_checkpoint(run_dir: Union[str, Path]) -> Optional[Path]:
+    """The ``checkpoint-N`` directory of ``run_dir`` with the highest N that has a completion marker (None if none).
+
+    Directories without one (an object-storage save killed midway, written in place) are never picked."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    marked = [p for p in run_dir.iterdir() if p.name.startswith("checkpoint-") and p.name[11:].isdigit()
+              and (p / COMPLETE_MARKER).is_file()]
+    return max(marked, key=lambda p: int(p.name[11:]), default=None)

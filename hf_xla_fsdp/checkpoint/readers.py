@@ -386,6 +386,29 @@ def marker_layout(ckpt_dir: Path, marker: dict[str, Any]) -> str:
         return LAYOUT_FLAT  # the flat-shard reader reports the damage precisely
 
 
+def check_present(ckpt_dir: Path, marker: dict[str, Any], names: Optional[list[str]] = None) -> None:
+    """Every rank file the marker lists (or those of ``names``) is present, tensor and JSON, before anything is read.
+
+    A local-mode checkpoint (per-host disks) not yet gathered gets one line naming the missing hosts' files."""
+    wanted = sorted(marker["files"]) if names is None else names
+    missing = [n for n in wanted if not (ckpt_dir / n).is_file() or not (ckpt_dir / n).with_suffix(".json").is_file()]
+    if not missing:
+        return
+    hosts = marker.get("hosts") if marker.get("storage") == "local" else None
+    if hosts:
+        parts = []
+        for index, entry in enumerate(hosts):
+            gone = [n for n in entry.get("files", []) if n in missing]
+            if gone:
+                parts.append(f"host {index} ({entry.get('host')}): {', '.join(gone)}")
+        raise CheckpointError(f"{ckpt_dir} is a local-mode checkpoint (per-host disks) that was not gathered: missing "
+                              f"{'; '.join(parts)}; bring every host's directory together first with "
+                              "`hf-xla-fsdp gather HOST_DIR... --output DIR`")
+    more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+    raise CheckpointError(f"{ckpt_dir} is missing rank file(s) its {COMPLETE_MARKER} lists: "
+                          f"{', '.join(missing[:3])}{more}")
+
+
 # --------------------------------------------------------------------------- a whole checkpoint
 class RankSet:
     """The rank files of one save, checked for completeness and consistency, sorted by rank."""
@@ -450,11 +473,21 @@ def open_checkpoint(ckpt: Union[str, Path], suffix: Optional[str] = None) -> Ran
 
     ``ckpt`` is one of our checkpoint directories, a directory of Trainer ``rank*-of-*-pytorch_model.bin``
     files, or a torch_xla-style prefix whose files are ``glob(ckpt + suffix)`` (suffix default ``*.pth``).
+    A URL (``memory://``, ``gs://``, ...) is fetched to a local temporary copy first: its marker, then only the
+    files it lists (the copy lives as long as the returned set).
     """
-    path = Path(ckpt)
+    from .storage import Fetched, is_url, local_path
+
+    if is_url(ckpt) and suffix is None:
+        fetched = Fetched(str(ckpt))
+        ranks = open_checkpoint(fetched.path)
+        ranks.source, ranks.fetched = str(ckpt), fetched
+        return ranks
+    path = local_path(ckpt)
     if path.is_dir() and suffix is None:
         if (path / COMPLETE_MARKER).is_file() or any(path.glob("rank-*.safetensors")):
             marker = read_marker(path)
+            check_present(path, marker)
             files = [open_rank_file(safe_member(path, name, path / COMPLETE_MARKER)) for name in sorted(marker["files"])]
             return RankSet(files, str(path), marker)
         trainer = sorted(path.glob("rank*-of-*-pytorch_model.bin"))

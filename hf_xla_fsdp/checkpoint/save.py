@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from .layout import (
 from .readers import LAYOUT_FLAT
 from .safetensors_io import write_safetensors_streaming
 from .state import rng_meta
+from .storage import LocalStorage, Storage, host_id, is_url, local_path, open_storage
 
 
 def rank_world(model: nn.Module) -> tuple[int, int]:
@@ -86,7 +86,9 @@ def write_rank_file(
 ) -> Path:
     """Write the calling rank's files into the staging directory of ``ckpt_dir``; returns the tensor file."""
     snap = _snapshot(model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin, extra=extra, to_host=False)
-    path, _ = _write_rank_files(ckpt_dir, snap)
+    store = Storage(ckpt_dir)  # the shared mode's staging directory, committed by commit_checkpoint
+    store.begin()
+    path, _ = _write_rank_files(store.write_dir(), snap)
     return path
 
 
@@ -134,17 +136,13 @@ def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], sche
                      sum(t.numel() * t.element_size() for t in host.values()))
 
 
-def _write_rank_files(ckpt_dir: Union[str, Path], snap: _Snapshot) -> tuple[Path, dict[str, Any]]:
-    """The rank's tensor and JSON files, written, fsync'd and renamed into the staging directory; and its report.
+def _write_rank_files(out_dir: Path, snap: _Snapshot) -> tuple[Path, dict[str, Any]]:
+    """The rank's tensor and JSON files, written, fsync'd and renamed into ``out_dir``; and its report.
 
     Touches no device: it may run in a background thread while training goes on."""
-    stage = staging_dir(ckpt_dir)
-    stage.mkdir(parents=True, exist_ok=True)
-    if snap.rank == 0:  # a marker left by a save of the same name that was killed before publishing is never reused
-        (stage / COMPLETE_MARKER).unlink(missing_ok=True)
     stem = rank_file_stem(snap.rank, snap.world)
-    tensor_path = stage / f"{stem}.safetensors"
-    tmp = stage / f".{stem}.safetensors.tmp"
+    tensor_path = out_dir / f"{stem}.safetensors"
+    tmp = out_dir / f".{stem}.safetensors.tmp"
     algorithm = default_algorithm()
     try:
         sums = write_safetensors_streaming(tmp, snap.specs, snap.produce, {"format": "pt"}, checksum=algorithm)
@@ -155,8 +153,8 @@ def _write_rank_files(ckpt_dir: Union[str, Path], snap: _Snapshot) -> tuple[Path
     meta = {"format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
             "checksums": {"algorithm": algorithm, "tensors": sums}, **snap.meta}
     data = json.dumps(meta, indent=1).encode()
-    write_bytes_atomic(stage / f"{stem}.json", data)
-    fsync_dir(stage)  # both renames are durable before the rank reports its files
+    write_bytes_atomic(out_dir / f"{stem}.json", data)
+    fsync_dir(out_dir)  # both renames are durable before the rank reports its files
     return tensor_path, _report(meta, tensor_path.name, data)
 
 
@@ -180,19 +178,12 @@ def report_from_disk(ckpt_dir: Union[str, Path], rank: int, world_size: int) -> 
     return _report(json.loads(data), tensor_path.name, data)
 
 
-def mark_complete(ckpt_dir: Union[str, Path], world_size: int,
-                  reports: Optional[list[dict[str, Any]]] = None) -> Path:
-    """Rank 0, after every rank wrote its files: write the completion marker into the staging directory.
+def build_marker(ckpt_dir: Union[str, Path], world_size: int, reports: list[dict[str, Any]],
+                 storage: str = "shared") -> dict[str, Any]:
+    """The completion marker of a save from its ranks' reports alone (rank 0 never opens another rank's files).
 
-    The marker is built from the ranks' ``reports`` (see :func:`save_checkpoint`); without them they
-    are read back from the staging directory (every rank's files in one directory). The checkpoint is
-    then readable at :func:`staging_dir` (e.g. to consolidate it in place) but not yet visible under
-    its name; :func:`commit_checkpoint` publishes it.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    stage = staging_dir(ckpt_dir)
-    if reports is None:
-        reports = [report_from_disk(ckpt_dir, rank, world_size) for rank in range(world_size)]
+    A missing, duplicated or inconsistent report is refused with one line. The marker records the storage
+    mode and, for per-host disks (``local``), which host holds which files."""
     by_rank: dict[int, dict[str, Any]] = {}
     for report in reports:
         if report.get("world_size") != world_size:
@@ -213,12 +204,39 @@ def mark_complete(ckpt_dir: Union[str, Path], world_size: int,
                                   f"{report['run_id']}, rank 0 step {first['step']} of run {first['run_id']}")
     files = {by_rank[rank]["file"]: {k: v for k, v in by_rank[rank]["entry"].items() if v is not None}
              for rank in range(world_size)}
-    rank_files = set(files) | {f"{Path(n).stem}.json" for n in files}
-    for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
-        if stray.is_file() and stray.name.startswith("rank-") and stray.name not in rank_files:
-            stray.unlink()
     marker = {"format": FORMAT, "engine": first["engine"], "world_size": world_size,
-              "step": first["step"], "run_id": first["run_id"], "files": files}
+              "step": first["step"], "run_id": first["run_id"], "storage": storage, "files": files}
+    if storage == "local":
+        marker["hosts"] = [{"host": host, "files": [by_rank[r]["file"] for r in ranks]}
+                           for host, ranks in host_groups(reports).items()]
+    return marker
+
+
+def host_groups(reports: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The ranks of each host, hosts in the order of their first rank (host 0 holds rank 0)."""
+    groups: dict[str, list[int]] = {}
+    for report in sorted(reports, key=lambda r: r["rank"]):
+        groups.setdefault(str(report.get("host", "")), []).append(report["rank"])
+    return groups
+
+
+def mark_complete(ckpt_dir: Union[str, Path], world_size: int,
+                  reports: Optional[list[dict[str, Any]]] = None) -> Path:
+    """Rank 0 of a shared-storage save, after every rank wrote its files: the completion marker in the staging dir.
+
+    Without ``reports`` they are read back from the staging directory (every rank's files in one directory).
+    The checkpoint is then readable at :func:`staging_dir` but not yet visible under its name;
+    :func:`commit_checkpoint` publishes it.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    stage = staging_dir(ckpt_dir)
+    if reports is None:
+        reports = [report_from_disk(ckpt_dir, rank, world_size) for rank in range(world_size)]
+    marker = build_marker(ckpt_dir, world_size, reports)
+    listed = set(marker["files"]) | {f"{Path(n).stem}.json" for n in marker["files"]}
+    for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
+        if stray.is_file() and stray.name.startswith("rank-") and stray.name not in listed:
+            stray.unlink()
     write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
     return stage
 
@@ -267,6 +285,7 @@ def save_checkpoint(
     before_commit: Optional[Callable[[Path], None]] = None,
     async_save: bool = False,
     after_commit: Optional[Callable[[Path], None]] = None,
+    storage: str = "auto",
 ) -> Path:
     """Save the calling rank's shard and, once every rank has, publish ``ckpt_dir`` atomically.
 
@@ -288,10 +307,16 @@ def save_checkpoint(
     collectives: the defaults are torch.distributed's over a gloo group of their own (torch.distributed
     must be initialized). ``after_commit(ckpt_dir)`` runs on the calling thread once the checkpoint is
     published: at once for a synchronous save, when it is waited for otherwise.
+
+    ``storage`` (``"auto"``, ``"shared"``, ``"local"``, ``"object"``; see :mod:`.storage`) says where the files go
+    and what commits the save: a staging directory renamed into place (shared), files in place with the marker
+    written last (object: a gcsfuse mount or an fsspec URL such as ``gs://bucket/run/checkpoint-100``), or each
+    host's own disk with a marker per host (local). ``ckpt_dir`` may be such a URL (then a ``str`` is returned).
     """
     from . import background
 
-    ckpt_dir = Path(ckpt_dir)
+    store = open_storage(ckpt_dir, storage)  # a bad mode or a URL without its driver: one line, before any write
+    ckpt_dir = str(ckpt_dir) if is_url(ckpt_dir) else local_path(ckpt_dir)  # file:// is a plain path
     background.wait_for_pending_save()  # one save in flight at most, and an earlier failure is raised here
     rank, world = rank_world(model)
 
@@ -300,7 +325,7 @@ def save_checkpoint(
                          to_host=to_host)
 
     if not async_save:
-        _write_and_commit(ckpt_dir, rank, world, lambda: take(False), barrier=barrier, gather=gather,
+        _write_and_commit(store, rank, world, lambda: take(False), barrier=barrier, gather=gather,
                           before_commit=before_commit)
         if after_commit is not None:
             after_commit(ckpt_dir)
@@ -322,7 +347,7 @@ def save_checkpoint(
         if world == 1:
             raise
         snapshot = functools.partial(_reraise, err)  # the other ranks hear of it through the report, as for a write
-    background.start(ckpt_dir, lambda: _write_and_commit(ckpt_dir, rank, world, snapshot, barrier=barrier,
+    background.start(ckpt_dir, lambda: _write_and_commit(store, rank, world, snapshot, barrier=barrier,
                                                          gather=gather, before_commit=before_commit), after_commit)
     return ckpt_dir
 
@@ -331,41 +356,112 @@ def _reraise(err: BaseException) -> _Snapshot:
     raise err
 
 
-def _write_and_commit(ckpt_dir: Path, rank: int, world: int, snapshot: Callable[[], _Snapshot], *,
+def _write_and_commit(store: Storage, rank: int, world: int, snapshot: Callable[[], _Snapshot], *,
                       barrier: Optional[Callable[[str], None]], gather: Optional[Callable[[str, bytes], list[bytes]]],
                       before_commit: Optional[Callable[[Path], None]]) -> None:
-    """The rank's files, the reports gathered to rank 0, its marker and publication, and the final barrier."""
+    """The rank's files, the reports gathered to rank 0, its marker and publication, and the final barrier.
+
+    One protocol for every storage mode; ``store`` says where files go and what commits them."""
     from ..runtime import default_barrier, default_gather
 
     barrier = barrier or default_barrier
     gather = gather or default_gather
+    shown = store.display
+    host = host_id()
     failure: Optional[BaseException] = None
     try:
-        _, report = _write_rank_files(ckpt_dir, snapshot())
-    except Exception as err:  # the others hear about it: nobody waits for files that will not come
-        failure, report = err, {"rank": rank, "world_size": world, "error": _first_line(err)}
-    payloads = _together(ckpt_dir, "did not complete (ranks lost while reporting their files)",
-                         lambda: gather("hf_xla_fsdp.save.reports", json.dumps(report).encode()))
-    reports = [json.loads(p) for p in payloads]
-    failed = sorted((r for r in reports if "error" in r), key=lambda r: r["rank"])
-    if failed:
-        if rank == 0:  # every rank has stopped writing into it
-            shutil.rmtree(staging_dir(ckpt_dir), ignore_errors=True)
-        if failure is not None and not isinstance(failure, (OSError, CheckpointError)):
-            raise failure  # not a storage problem: the full traceback is what helps
-        raise CheckpointError(f"the save of {ckpt_dir} failed on rank {failed[0]['rank']}: {failed[0]['error']} "
-                              "(nothing was published; earlier checkpoints are untouched)")
-    try:
-        if rank == 0:
-            try:
-                mark_complete(ckpt_dir, world, reports)
-                if before_commit is not None:
-                    before_commit(staging_dir(ckpt_dir))
-                commit_checkpoint(ckpt_dir, world, marked=True)
-            except OSError as err:  # e.g. no space left for the marker: nothing half-published stays behind
-                shutil.rmtree(staging_dir(ckpt_dir), ignore_errors=True)  # gone already if it was published
-                raise CheckpointError(f"the save of {ckpt_dir} failed on rank 0: {_first_line(err)} "
-                                      "(nothing was published; earlier checkpoints are untouched)") from None
-    finally:  # the other ranks are released even if the commit failed (rank 0 raises it)
-        _together(ckpt_dir, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
-                  lambda: barrier("hf_xla_fsdp.save.committed"))
+        try:
+            store.begin()
+            tensor_path, report = _write_rank_files(store.write_dir(), snapshot())
+            store.written([tensor_path, tensor_path.with_suffix(".json")])
+        except Exception as err:  # the others hear about it: nobody waits for files that will not come
+            failure, report = err, {"rank": rank, "world_size": world, "error": _first_line(err)}
+        report.update(host=host, storage=store.mode)
+        payloads = _together(shown, "did not complete (ranks lost while reporting their files)",
+                             lambda: gather("hf_xla_fsdp.save.reports", json.dumps(report).encode()))
+        reports = [json.loads(p) for p in payloads]
+        hosts = host_groups(reports)
+        # who cleans up after a failure, and writes a host marker: rank 0, and on per-host disks each host's first rank
+        owner = rank == 0 or (store.mode == "local" and hosts.get(host, [rank])[0] == rank)
+        failed = sorted((r for r in reports if "error" in r), key=lambda r: r["rank"])
+        if failed:
+            if owner:  # every rank has stopped writing into it
+                store.abort()
+            if failure is not None and not isinstance(failure, (OSError, CheckpointError)):
+                raise failure  # not a storage problem: the full traceback is what helps
+            raise CheckpointError(f"the save of {shown} failed on rank {failed[0]['rank']}: {failed[0]['error']} "
+                                  "(nothing was published; earlier checkpoints are untouched)")
+        modes = {r["storage"] for r in reports}
+        if len(modes) > 1:  # e.g. "auto" saw a gcsfuse mount on one host and a plain disk on another
+            if owner:
+                store.abort()
+            odd = ", ".join(f"rank {r['rank']}: {r['storage']}" for r in reports if r["storage"] != reports[0]["storage"])
+            raise CheckpointError(f"the save of {shown} mixes storage modes across ranks ({odd}; rank 0: "
+                                  f"{reports[0]['storage']}): set checkpoint_storage explicitly")
+        if isinstance(store, LocalStorage):
+            _commit_hosts(store, rank, world, reports, hosts, host, owner, gather)
+        committed = False
+        try:
+            if rank == 0:
+                try:
+                    store.check_reports(reports)
+                    store.commit(build_marker(shown, world, reports, store.mode), before_commit)
+                except (OSError, CheckpointError) as err:  # e.g. no space for the marker: nothing half-published
+                    store.abort()  # gone already if it was published
+                    raise CheckpointError(f"the save of {shown} failed on rank 0: {_first_line(err)} "
+                                          "(nothing was published; earlier checkpoints are untouched)") from None
+            committed = True
+        finally:  # the other ranks are released even if the commit failed (rank 0 raises it)
+            if isinstance(store, LocalStorage):
+                _copy_marker_to_hosts(store, rank, world, reports, owner, committed=committed, gather=gather)
+            _together(shown, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
+                      lambda: barrier("hf_xla_fsdp.save.committed"))
+    finally:
+        store.close()
+
+
+def _commit_hosts(store: LocalStorage, rank: int, world: int, reports: list[dict[str, Any]],
+                  hosts: dict[str, list[int]], host: str, owner: bool, gather: Callable[[str, bytes], list[bytes]]) -> None:
+    """Per-host disks: each host's first rank writes its host marker (the ranks and files it holds); every rank
+    hears whether all did before rank 0 commits."""
+    error = None
+    if owner:
+        index = list(hosts).index(host)
+        mine = [r for r in sorted(reports, key=lambda r: r["rank"]) if r["rank"] in hosts[host]]
+        data = {"format": FORMAT, "host": host, "host_index": index, "hosts": len(hosts), "world_size": world,
+                "step": reports[0]["step"], "run_id": reports[0]["run_id"], "ranks": hosts[host],
+                "files": {r["file"]: r["entry"] for r in mine}}
+        try:
+            store.write_host_marker(index, data)
+        except OSError as err:
+            error = _first_line(err)
+    statuses = [json.loads(p) for p in _together(
+        store.display, "did not complete (ranks lost while writing the host markers)",
+        lambda: gather("hf_xla_fsdp.save.hosts", json.dumps({"rank": rank, "error": error}).encode()))]
+    bad = [s for s in statuses if s.get("error")]
+    if bad:
+        if owner:
+            store.abort()
+        raise CheckpointError(f"the save of {store.display} failed on rank {bad[0]['rank']} writing its host marker: "
+                              f"{bad[0]['error']} (nothing was published; earlier checkpoints are untouched)")
+
+
+def _copy_marker_to_hosts(store: LocalStorage, rank: int, world: int, reports: list[dict[str, Any]], owner: bool, *,
+                          committed: bool, gather: Callable[[str, bytes], list[bytes]]) -> None:
+    """Per-host disks, after rank 0's commit: every other host gets a copy of the global marker, so a resume on that
+    host (which reads only its own disk) finds it. Rank 0's marker is the commit point; a host killed before its copy
+    has a complete host marker but no copy, and is resumed from an earlier checkpoint or after gathering."""
+    status = {"ok": committed} if rank == 0 else {}
+    statuses = [json.loads(p) for p in _together(
+        store.display, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
+        lambda: gather("hf_xla_fsdp.save.marked", json.dumps(status).encode()))]
+    committed = statuses[0].get("ok", False)
+    if not committed:
+        if owner and rank != 0:
+            store.abort()
+        if rank != 0:
+            raise CheckpointError(f"the save of {store.display} failed on rank 0 while committing (nothing was "
+                                  "published; earlier checkpoints are untouched)")
+        return
+    if owner and rank != 0:
+        store.copy_marker(build_marker(store.display, world, reports, store.mode))

@@ -352,7 +352,7 @@ class XlaFsdpAccelerator(Accelerator):
         async_save = async_save and not (self._preemption is not None and self._preemption.received)
         save_checkpoint(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(), step=step,
                         plugin=self.xla_fsdp_plugin, extra=extra, barrier=barrier, before_commit=add_custom_objects,
-                        async_save=async_save, after_commit=published)
+                        async_save=async_save, after_commit=published, storage=self.xla_fsdp_plugin.checkpoint_storage)
         if config.automatic_checkpoint_naming:
             config.iteration += 1
         return str(output_dir)

@@ -275,7 +275,13 @@ class XlaFsdpTrainerMixin:
         """``Trainer.train``; with ``save_on_preemption`` (and checkpoints on), SIGTERM saves ``checkpoint-N`` at the
         next step boundary, stops training, logs where it saved and exits the process with code 0."""
         from ..checkpoint import wait_for_pending_save
+        from ..checkpoint.layout import latest_checkpoint
 
+        if kwargs.get("resume_from_checkpoint") is True or (args and args[0] is True):
+            # transformers picks the highest checkpoint-N; only a marked one is complete (object storage writes in place)
+            latest = latest_checkpoint(self.args.output_dir)
+            if latest is not None:
+                kwargs["resume_from_checkpoint"], args = str(latest), args[1:]
         save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
         guard = PreemptionGuard()
         if not (self.xla_fsdp_plugin.save_on_preemption and save_strategy != "no" and guard.install()):
@@ -460,7 +466,7 @@ class XlaFsdpTrainerMixin:
                         None if save_only_model else self.lr_scheduler, step=self.state.global_step,
                         plugin=plugin, extra={"trainer": True, **self._training_record()},
                         barrier=barrier, before_commit=finish, async_save=plugin.async_save,
-                        after_commit=published)
+                        after_commit=published, storage=plugin.checkpoint_storage)
 
     def _save_side_files(self, directory: Path) -> None:
         """config.json, generation_config.json, tokenizer and training_args.json of the run."""

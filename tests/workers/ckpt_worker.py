@@ -3,12 +3,14 @@
 collectives) and saves checkpoints through ``save_checkpoint`` with torch.distributed's barrier and gather.
 
     ckpt_worker.py --rank R --world N --port P --root DIR [--saves K] [--stall] [--timeout S] [--first I]
-                   [--fsize-limit-after-first BYTES] [--async-save]
+                   [--fsize-limit-after-first BYTES] [--async-save] [--storage MODE] [--pause-before I:S]
 
 Prints ``ready``, then ``saving I`` / ``saved I`` around each save of ``DIR/checkpoint-I``; a save that fails
 prints ``error: <the one line>`` and exits 3. ``--stall``: this rank never arrives at the save (it sleeps).
 ``--async-save``: each save returns once the state is on the host; the files are written and committed in a
 background thread with the library's default (thread-safe, gloo) collectives, and the worker waits for the last one.
+``--storage``: save_checkpoint's storage mode (``DIR`` may then be a URL; a simulated host is ``$HF_XLA_FSDP_HOST``).
+``--pause-before I:S``: this rank sleeps S seconds before save I (the others write their files meanwhile).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main() -> int:
     p.add_argument("--fsize-limit-after-first", type=int, default=None,
                    help="after the first save, RLIMIT_FSIZE: writing a file past this size fails (EFBIG, a full disk)")
     p.add_argument("--async-save", action="store_true", help="save in the background (default collectives)")
+    p.add_argument("--storage", default="auto", help="checkpoint storage mode (auto, shared, local, object)")
+    p.add_argument("--pause-before", default=None, help="I:S: sleep S seconds before save I")
     args = p.parse_args()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=timedelta(seconds=args.timeout + 60))
@@ -55,13 +59,15 @@ def main() -> int:
         if args.stall:
             time.sleep(args.timeout * 3)
             return 0
+        if args.pause_before is not None and int(args.pause_before.split(":")[0]) == i:
+            time.sleep(float(args.pause_before.split(":")[1]))
         print(f"saving {i}", flush=True)
+        where = f"{args.root}/checkpoint-{i}" if "://" in args.root else Path(args.root) / f"checkpoint-{i}"
         try:
             if args.async_save:
-                save_checkpoint(Path(args.root) / f"checkpoint-{i}", model, optimizer, step=i, async_save=True)
+                save_checkpoint(where, model, optimizer, step=i, async_save=True, storage=args.storage)
             else:
-                save_checkpoint(Path(args.root) / f"checkpoint-{i}", model, optimizer, step=i, barrier=barrier,
-                                gather=gather)
+                save_checkpoint(where, model, optimizer, step=i, barrier=barrier, gather=gather, storage=args.storage)
         except CheckpointError as err:
             print(f"error: {err}", flush=True)
             return 3
