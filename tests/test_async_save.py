@@ -103,3 +103,23 @@ print("returned", flush=True)
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("hf_xla_fsdp: the save of ") and "ckpt failed on rank 0" in last, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("group_bytes", [1, 3000, 1 << 30])
+def test_host_copies_in_groups_are_exact_fresh_copies(group_bytes):
+    """The async snapshot fetches device tensors in batched groups of about ``group_bytes`` (one transfer of the whole
+    state allocates it twice at once); any grouping gives the same values, in order, as host tensors later steps
+    cannot change, with host tensors among them cloned."""
+    from hf_xla_fsdp.engines.base import host_copies
+
+    g = torch.Generator().manual_seed(0)
+    expected = [torch.randn(n, generator=g) for n in (5, 700, 1, 300, 2000)]
+    tensors = [t.clone() if i == 2 else t.to(xla_device()) for i, t in enumerate(expected)]  # one stays on the host
+    sync()
+    copies = host_copies(tensors, group_bytes=group_bytes)
+    assert [c.device.type for c in copies] == ["cpu"] * len(expected)
+    assert all(torch.equal(c, e) for c, e in zip(copies, expected))
+    for t in tensors:  # a later step updates the state in place: the snapshot keeps the values it took
+        t.add_(1)
+    sync()
+    assert all(torch.equal(c, e) for c, e in zip(copies, expected))
