@@ -40,15 +40,20 @@ def _assert_equal_to_eager(got: dict, eager_model, eager_state):
         assert torch.equal(got[key], eager_state[key]), key
 
 
-@pytest.mark.parametrize("make,cls", CASES)
-def test_fresh_meta_init_equals_eager(make, cls):
-    config = make()
+def _build_equal_to_eager(config, cls):
+    """Build ``config`` on meta after the eager model's seed: same weights, and the RNG continues exactly where
+    eager construction leaves it (dropout etc. stay reproducible). Returns the wrapped model and the eager one."""
     eager, state, eager_rng = _eager_state(config, cls)
     torch.manual_seed(0)
     model = XlaFsdpPlugin().build(config, model_cls=cls, progress=False)
-    # the RNG continues exactly where eager construction leaves it (dropout etc. stay reproducible)
     assert torch.equal(torch.get_rng_state(), eager_rng)
     _assert_equal_to_eager(consolidate(model), eager, state)
+    return model, eager
+
+
+@pytest.mark.parametrize("make,cls", CASES)
+def test_fresh_meta_init_equals_eager(make, cls):
+    model, eager = _build_equal_to_eager(make(), cls)
     inner = unwrap(model)
     for key, value in eager.named_buffers():  # non-persistent buffers too (rotary inv_freq, position_ids)
         assert torch.equal(_attr(inner, key).cpu(), value), key
@@ -176,12 +181,7 @@ def test_chunked_uniform_advances_the_rng_like_one_draw(monkeypatch, dtype):
 def test_fresh_meta_init_with_chunked_taped_draws_equals_eager(monkeypatch, make, cls):
     """The taped lm_head constructor draw advanced in chunks of 7 elements: same weights and RNG as eager."""
     monkeypatch.setattr(meta_init, "_UNIFORM_CHUNK", 7)
-    config = make()
-    eager, state, eager_rng = _eager_state(config, cls)
-    torch.manual_seed(0)
-    model = XlaFsdpPlugin().build(config, model_cls=cls, progress=False)
-    assert torch.equal(torch.get_rng_state(), eager_rng)
-    _assert_equal_to_eager(consolidate(model), eager, state)
+    _build_equal_to_eager(make(), cls)
 
 
 def test_random_init_of_a_real_tensor_is_drawn_in_eager_order():
