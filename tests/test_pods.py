@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import build_rank, build_ranks, fake_adam_rank, run_ranks, save_ranks, tiny_llama
 
-from hf_xla_fsdp import cli
+from hf_xla_fsdp import cli, export
 from hf_xla_fsdp.checkpoint import COMPLETE_MARKER, load_checkpoint, open_checkpoint, save_checkpoint, wait_for_pending_save
 from hf_xla_fsdp.checkpoint.consolidate import consolidate, read_full_state_dict
 from hf_xla_fsdp.checkpoint.storage import host_marker_name, resolve_mode
@@ -174,6 +174,11 @@ def test_memory_url_save_load_consolidate_and_bad_input(tmp_path):
     assert fs.cat_file("/pod/final/model.safetensors") == (tmp_path / "same_out" / "model.safetensors").read_bytes()
     with pytest.raises(FileExistsError, match="pass --overwrite"):
         consolidate(url, "memory://pod/final", progress=False)
+    assert export(url, "memory://pod/hub/tiny", progress=False)["output"] == "memory://pod/hub/tiny"  # a URL both ways
+    assert fs.cat_file("/pod/hub/tiny/model.safetensors") == (tmp_path / "same_out" / "model.safetensors").read_bytes()
+    assert 'from_pretrained("tiny")' in fs.cat_file("/pod/hub/tiny/README.md").decode()
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        export(url, "memory://pod/hub/tiny", progress=False)
     later = "memory://pod/run/checkpoint-1"  # async: the URL is kept as it is (a Path would fold its "//")
     assert save_checkpoint(later, model, step=4, async_save=True) == later
     assert wait_for_pending_save() == later

@@ -337,27 +337,12 @@ def _consolidate_to_url(ckpt: Union[str, os.PathLike], output: str, *, overwrite
     directory with a config has its weights); a failed upload removes what it wrote."""
     import tempfile
 
-    from .storage import remote_fs
+    from .storage import check_remote_output, upload_directory
 
-    fs, root = remote_fs(output)
-    if fs.exists(root) and fs.ls(root, detail=False):
-        if not overwrite:
-            raise FileExistsError(f"output directory {output} already exists and is not empty; pass --overwrite to "
-                                  "replace it")
-        fs.rm(root, recursive=True)
+    check_remote_output(output, overwrite)  # before the work
     with tempfile.TemporaryDirectory(prefix="hf_xla_fsdp-consolidate-", dir=os.environ.get("HF_XLA_FSDP_SPOOL")) as tmp:
         summary = consolidate(ckpt, Path(tmp) / "out", **kwargs)
-        local = Path(tmp) / "out"
-        names = sorted(p.name for p in local.iterdir())
-        names = [n for n in names if n != "config.json"] + [n for n in names if n == "config.json"]
-        try:
-            fs.makedirs(root, exist_ok=True)
-            for name in names:
-                fs.put_file(str(local / name), f"{root}/{name}")
-        except BaseException:
-            if fs.exists(root):
-                fs.rm(root, recursive=True)
-            raise
+        upload_directory(Path(tmp) / "out", output, overwrite=overwrite)
     return {**summary, "output": output}
 
 

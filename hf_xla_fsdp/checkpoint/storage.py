@@ -76,6 +76,33 @@ def remote_fs(url: str) -> tuple[Any, str]:
     return fs, root.rstrip("/")
 
 
+def upload_directory(local: Path, url: str, *, overwrite: bool, last: str = "config.json") -> None:
+    """Upload the files of the finished local directory ``local`` to the directory ``url``, ``last`` last (a
+    directory with a config has its weights); a non-empty ``url`` is refused without ``overwrite``, and a failed
+    upload removes what it wrote."""
+    fs, root = remote_fs(url)
+    check_remote_output(url, overwrite)
+    if fs.exists(root) and fs.ls(root, detail=False):
+        fs.rm(root, recursive=True)
+    names = sorted(p.name for p in local.iterdir() if p.is_file())
+    names = [n for n in names if n != last] + [n for n in names if n == last]
+    try:
+        fs.makedirs(root, exist_ok=True)
+        for name in names:
+            fs.put_file(str(local / name), f"{root}/{name}")
+    except BaseException:
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+        raise
+
+
+def check_remote_output(url: str, overwrite: bool) -> None:
+    """Refuse a non-empty output directory ``url`` unless ``overwrite`` (before any work is done)."""
+    fs, root = remote_fs(url)
+    if not overwrite and fs.exists(root) and fs.ls(root, detail=False):
+        raise FileExistsError(f"output directory {url} already exists and is not empty; pass --overwrite to replace it")
+
+
 def mount_type(path: Union[str, os.PathLike]) -> Optional[str]:
     """The file-system type of the mount holding ``path`` (from /proc/mounts; None where it cannot be read)."""
     try:

@@ -157,15 +157,47 @@ def export(
     merge_adapters: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Write a Hub-ready ``output`` (weights, config, tokenizer, README.md card) and push it if asked."""
+    """Write a Hub-ready ``output`` (weights, config, tokenizer, README.md card) and push it if asked.
+
+    ``source`` (a sharded checkpoint) and ``output`` may be fsspec URLs (``gs://`` with the ``[cloud]`` extra):
+    the export is written to a local temporary directory, pushed from there if asked, then uploaded."""
+    from ..checkpoint.storage import check_remote_output, is_url, local_path, upload_directory
+
     if push and not repo_id:
         raise ConfigError("--push needs --repo-id ORG/NAME")
-    source, output = Path(source), Path(output)
-    model_name = repo_id or output.name
-    if (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
+    kwargs = dict(repo_id=repo_id, push=push, private=private, revision=revision, dtype=dtype,
+                  max_shard_size=max_shard_size, overwrite=overwrite, ckpt_suffix=ckpt_suffix, config=config,
+                  license=license, base_model=base_model, datasets=datasets, token=token,
+                  merge_adapters=merge_adapters, progress=progress)
+    source = source if is_url(source) else local_path(source)
+    if not is_url(output):
+        return _export(source, local_path(output), shown=str(local_path(output)), load_path=str(local_path(output)),
+                       **kwargs)
+    import tempfile
+
+    url = str(output)
+    check_remote_output(url, overwrite)  # before the work
+    with tempfile.TemporaryDirectory(prefix="hf_xla_fsdp-export-", dir=os.environ.get("HF_XLA_FSDP_SPOOL")) as tmp:
+        # transformers cannot load from a bucket URL: the card names the model (pushed, or copied down)
+        result = _export(source, Path(tmp) / "out", shown=url, load_path=None, **kwargs)
+        upload_directory(Path(tmp) / "out", url, overwrite=overwrite)
+    return result
+
+
+def _export(source: Union[str, Path], output: Path, *, shown: str, load_path: Optional[str], repo_id: Optional[str],
+            push: bool, private: bool,
+            revision: Optional[str], dtype: str, max_shard_size: Union[int, str], overwrite: bool,
+            ckpt_suffix: Optional[str], config: Union[str, os.PathLike, None], license: Optional[str],
+            base_model: Optional[str], datasets: Optional[list[str]], token: Optional[str], merge_adapters: bool,
+            progress: bool) -> dict[str, Any]:
+    """:func:`export` into the local directory ``output``, reported as ``shown``; the card loads ``repo_id``, else
+    ``load_path``, else the model's name."""
+    model_name = repo_id or shown.rstrip("/").rsplit("/", 1)[-1]
+    local_source = isinstance(source, Path)  # a URL is a sharded checkpoint, read by consolidate
+    if local_source and (source / "adapter_config.json").is_file() and not (source / "config.json").is_file():
         raise ConfigError(f"{source} holds PEFT adapters, not a model: export the sharded checkpoint with "
                           "--merge-adapters, or push the adapter directory as it is")
-    if _is_consolidated(source):
+    if local_source and _is_consolidated(source):
         if merge_adapters:
             raise ConfigError(f"{source} is already a consolidated model: --merge-adapters needs the sharded checkpoint "
                               "of a PEFT model")
@@ -188,13 +220,13 @@ def export(
                     max_shard_size=max_shard_size, progress=progress, plan_transform=plan_transform)
     try:
         card = render_card(stage, model_name=model_name, license=license, base_model=base_model,
-                           datasets=datasets, load_path=repo_id or str(output))
+                           datasets=datasets, load_path=repo_id or load_path or model_name)
         card.save(str(stage / "README.md"))
         publish(stage, output)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    result = {"output": str(output), "model_name": model_name, "pushed": None}
+    result = {"output": shown, "model_name": model_name, "pushed": None}
     if push:
         result["pushed"] = push_folder(output, repo_id, private=private, revision=revision, token=token)
     return result
