@@ -62,12 +62,15 @@ def test_local_mode_host_markers_gather_consolidate_and_reshard(tmp_path, expect
     missing host's files; `hf-xla-fsdp gather` makes one checkpoint that verifies, consolidates bit-exactly and
     reshards 4 -> 2."""
     disks = [tmp_path / "disk0", tmp_path / "disk1"]
-    ok(run_ranks(N, lambda r: ["--root", disks[r // 2], "--storage", "local"], env=host_env, timeout=600))
+    ok(run_ranks(N, lambda r: ["--root", disks[r // 2], "--storage", "local", "--side-file", "trainer_state.json"],
+                 env=host_env, timeout=600))
     parts = [d / "checkpoint-0" for d in disks]
     for host, part in enumerate(parts):
         names = sorted(p.name for p in part.iterdir())
         mine = [f"rank-{r:05d}-of-00004.{ext}" for r in (2 * host, 2 * host + 1) for ext in ("json", "safetensors")]
-        assert names == sorted([COMPLETE_MARKER, host_marker_name(host), *mine]), names
+        # rank 0's side files reach every host with the marker (a Trainer resumes from trainer_state.json there)
+        assert names == sorted([COMPLETE_MARKER, host_marker_name(host), "trainer_state.json", *mine]), names
+        assert json.loads((part / "trainer_state.json").read_text()) == {"global_step": 0}
         host_marker = json.loads((part / host_marker_name(host)).read_text())
         assert host_marker["ranks"] == [2 * host, 2 * host + 1] and host_marker["host"] == f"host{host}"
     marker = json.loads((parts[0] / COMPLETE_MARKER).read_text())

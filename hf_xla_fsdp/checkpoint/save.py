@@ -12,6 +12,7 @@ background thread (:mod:`.background`).
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import json
@@ -446,12 +447,33 @@ def _commit_hosts(store: LocalStorage, rank: int, world: int, reports: list[dict
                               f"{bad[0]['error']} (nothing was published; earlier checkpoints are untouched)")
 
 
+#: side files of a local-mode checkpoint sent to the other hosts with the marker copy (larger ones, e.g. a
+#: consolidated copy of the model, reach them only through ``hf-xla-fsdp gather``)
+SIDE_FILE_LIMIT = 64 << 20
+
+
+def _side_files(store: LocalStorage) -> dict[str, str]:
+    """The small files rank 0 added beside the rank files (``before_commit``), base64 by name."""
+    out: dict[str, str] = {}
+    total = 0
+    for path in sorted(store.ckpt.iterdir()):
+        name = path.name
+        if not path.is_file() or name.startswith((".", "rank-", "checkpoint_host-")) or name == COMPLETE_MARKER:
+            continue
+        size = path.stat().st_size
+        if total + size > SIDE_FILE_LIMIT:
+            continue
+        total += size
+        out[name] = base64.b64encode(path.read_bytes()).decode()
+    return out
+
+
 def _copy_marker_to_hosts(store: LocalStorage, rank: int, world: int, reports: list[dict[str, Any]], owner: bool, *,
                           committed: bool, gather: Callable[[str, bytes], list[bytes]]) -> None:
     """Per-host disks, after rank 0's commit: every other host gets a copy of the global marker, so a resume on that
     host (which reads only its own disk) finds it. Rank 0's marker is the commit point; a host killed before its copy
     has a complete host marker but no copy, and is resumed from an earlier checkpoint or after gathering."""
-    status = {"ok": committed} if rank == 0 else {}
+    status = {"ok": committed, "side_files": _side_files(store) if committed else {}} if rank == 0 else {}
     statuses = [json.loads(p) for p in _together(
         store.display, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
         lambda: gather("hf_xla_fsdp.save.marked", json.dumps(status).encode()))]
@@ -464,4 +486,8 @@ def _copy_marker_to_hosts(store: LocalStorage, rank: int, world: int, reports: l
                                   "published; earlier checkpoints are untouched)")
         return
     if owner and rank != 0:
+        # rank 0's side files (a Trainer's trainer_state.json, config, tokenizer) first: a resume on this host
+        # reads them from its own disk, and the marker copy comes last
+        for name, data in statuses[0].get("side_files", {}).items():
+            write_bytes_atomic(store.ckpt / name, base64.b64decode(data))
         store.copy_marker(build_marker(store.display, world, reports, store.mode))

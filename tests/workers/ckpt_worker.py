@@ -16,6 +16,7 @@ background thread with the library's default (thread-safe, gloo) collectives, an
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from datetime import timedelta
@@ -48,6 +49,7 @@ def main() -> int:
     p.add_argument("--async-save", action="store_true", help="save in the background (default collectives)")
     p.add_argument("--storage", default="auto", help="checkpoint storage mode (auto, shared, local, object)")
     p.add_argument("--pause-before", default=None, help="I:S: sleep S seconds before save I")
+    p.add_argument("--side-file", default=None, help="rank 0 adds this file (as a Trainer adds trainer_state.json)")
     args = p.parse_args()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world, timeout=timedelta(seconds=args.timeout + 60))
@@ -67,7 +69,12 @@ def main() -> int:
             if args.async_save:
                 save_checkpoint(where, model, optimizer, step=i, async_save=True, storage=args.storage)
             else:
-                save_checkpoint(where, model, optimizer, step=i, barrier=barrier, gather=gather, storage=args.storage)
+                def side(stage, i=i):
+                    if args.side_file:
+                        (Path(stage) / args.side_file).write_text(json.dumps({"global_step": i}))
+
+                save_checkpoint(where, model, optimizer, step=i, barrier=barrier, gather=gather, storage=args.storage,
+                                before_commit=side)
         except CheckpointError as err:
             print(f"error: {err}", flush=True)
             return 3
