@@ -39,7 +39,7 @@ from .layout import (
 from .readers import LAYOUT_FLAT
 from .safetensors_io import write_safetensors_streaming
 from .state import rng_meta
-from .storage import LocalStorage, Storage, host_id, is_url, local_path, open_storage
+from .storage import LocalStorage, Storage, host_id, is_url, local_path, open_storage, remove_stale
 
 
 def rank_world(model: nn.Module) -> tuple[int, int]:
@@ -234,10 +234,7 @@ def mark_complete(ckpt_dir: Union[str, Path], world_size: int,
     if reports is None:
         reports = [report_from_disk(ckpt_dir, rank, world_size) for rank in range(world_size)]
     marker = build_marker(ckpt_dir, world_size, reports)
-    listed = set(marker["files"]) | {f"{Path(n).stem}.json" for n in marker["files"]}
-    for stray in stage.iterdir():  # leftovers of an earlier save that was killed (e.g. another world size)
-        if stray.is_file() and stray.name.startswith("rank-") and stray.name not in listed:
-            stray.unlink()
+    remove_stale(stage, marker)
     write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
     return stage
 

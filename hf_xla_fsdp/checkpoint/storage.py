@@ -199,10 +199,7 @@ class Storage:
     def commit(self, marker: dict[str, Any], before_commit: Optional[Callable[[Path], None]]) -> None:
         """Rank 0: write the marker, run ``before_commit``, make the checkpoint visible."""
         stage = staging_dir(self.ckpt)
-        listed = _listed(marker)
-        for stray in stage.iterdir():  # leftovers of an earlier killed save (e.g. another world size)
-            if stray.is_file() and stray.name.startswith("rank-") and stray.name not in listed:
-                stray.unlink()
+        remove_stale(stage, marker)
         write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
         if before_commit is not None:
             before_commit(stage)
@@ -225,6 +222,14 @@ def _is_stale(name: str, listed: set[str]) -> bool:
     """A file of an earlier, killed save: an unlisted rank file, or a temporary of one."""
     return (name.startswith("rank-") and name not in listed) or (name.startswith(".rank-") and ".tmp" in name) \
         or name.startswith(f".{COMPLETE_MARKER}.tmp")
+
+
+def remove_stale(directory: Path, marker: dict[str, Any]) -> None:
+    """Files of an earlier killed save in ``directory`` that ``marker`` does not list (e.g. of another world size)."""
+    listed = _listed(marker)
+    for path in directory.iterdir():
+        if path.is_file() and _is_stale(path.name, listed):
+            path.unlink(missing_ok=True)
 
 
 class InPlaceStorage(Storage):
@@ -254,10 +259,7 @@ class InPlaceStorage(Storage):
 
     def clean(self, marker: dict[str, Any]) -> None:
         """Files of an earlier killed save to this directory that the marker does not list go (ignored anyway)."""
-        listed = _listed(marker)
-        for path in self.ckpt.iterdir():
-            if path.is_file() and _is_stale(path.name, listed):
-                path.unlink(missing_ok=True)
+        remove_stale(self.ckpt, marker)
 
     def abort(self) -> None:
         if not (self.ckpt / COMPLETE_MARKER).is_file():  # never marked: nothing in it can be trusted
@@ -284,13 +286,6 @@ class LocalStorage(InPlaceStorage):
         """A host other than rank 0's, once rank 0 committed: the global marker, so resume finds it here."""
         write_bytes_atomic(self.ckpt / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
         self.clean(marker)
-
-    def clean(self, marker: dict[str, Any]) -> None:
-        listed = _listed(marker)
-        mine = {n for n in listed if (self.ckpt / n).is_file()}  # other hosts' files are not stale, just elsewhere
-        for path in self.ckpt.iterdir():
-            if path.is_file() and _is_stale(path.name, listed | mine):
-                path.unlink(missing_ok=True)
 
 
 class RemoteStorage(Storage):
