@@ -70,8 +70,8 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from hf_xla_fsdp import XlaFsdpPlugin
-    from hf_xla_fsdp.build import meta_init, wrapping
-    from hf_xla_fsdp.build.presets import MODEL_PRESETS
+    from hf_xla_fsdp.modeling import meta_init, wrapping
+    from hf_xla_fsdp.planning.presets import MODEL_PRESETS
 
     kwargs = {k: v for k, v in MODEL_PRESETS[args.preset][1].items() if k != "architectures"}
     if args.layers:

@@ -116,8 +116,8 @@ def baseline_rss(kind: str) -> tuple[int, int]:
 
     torch_only = vm_hwm_bytes()
     if kind.startswith("ours"):
+        import hf_xla_fsdp.checkpoint.consolidate  # noqa: F401
         import hf_xla_fsdp.cli  # noqa: F401
-        import hf_xla_fsdp.consolidate  # noqa: F401
 
         if kind != "ours":
             # a foreign checkpoint is checked against its --config on meta: transformers' config and model classes,

@@ -44,7 +44,7 @@ def compile_count() -> int:
 
 def param_specs(model: Any, version: int) -> dict[str, str]:
     """Shape and sharding of the parameters whose (unwrapped) name ends with one of SPEC_PARAMS."""
-    from hf_xla_fsdp import spmd
+    from hf_xla_fsdp.engines import v2 as spmd
 
     out = {}
     for name, p in model.named_parameters():
@@ -88,7 +88,8 @@ def child(version: int, steps: int, warmup: int, batch_size: int, seq_len: int, 
     import torch_xla.runtime as xr
     from transformers import LlamaConfig
 
-    from hf_xla_fsdp import XlaFsdpPlugin, spmd
+    from hf_xla_fsdp import XlaFsdpPlugin
+    from hf_xla_fsdp.engines import v2 as spmd
     from hf_xla_fsdp.train import arithmetic_lm_batches, train_step
 
     plugin = XlaFsdpPlugin(version=version, transformer_layer_cls_to_wrap=["LlamaDecoderLayer"],

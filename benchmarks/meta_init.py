@@ -65,7 +65,7 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from hf_xla_fsdp import XlaFsdpPlugin
-    from hf_xla_fsdp.planning import plan
+    from hf_xla_fsdp.planning.units import plan
 
     classes = ["LlamaDecoderLayer"] + (["Embedding"] if args.wrap_embeddings else [])
     cfg = LlamaConfig(**MODEL)

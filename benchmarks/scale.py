@@ -82,8 +82,8 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from hf_xla_fsdp import XlaFsdpPlugin
-    from hf_xla_fsdp.build.planning import plan
-    from hf_xla_fsdp.build.presets import MODEL_PRESETS, preset_config
+    from hf_xla_fsdp.planning.presets import MODEL_PRESETS, preset_config
+    from hf_xla_fsdp.planning.units import plan
 
     kwargs = {k: v for k, v in MODEL_PRESETS[args.preset][1].items() if k != "architectures"}
     sizing = plan(preset_config(args.preset), XlaFsdpPlugin(), world_size=args.world_size)

@@ -251,7 +251,7 @@ def construct_child(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     StockTrainer = stock_trainer_class()
     # modules both paths (and ours) import lazily: loaded before the baseline, so their code is not counted
     for name in ("torch_xla.distributed.fsdp", "transformers.integrations.tpu",
-                 "transformers.models.llama.modeling_llama", "hf_xla_fsdp.meta_init", "hf_xla_fsdp.wrapping"):
+                 "transformers.models.llama.modeling_llama", "hf_xla_fsdp.modeling.meta_init", "hf_xla_fsdp.modeling.wrapping"):
         importlib.import_module(name)
     torch.zeros(1, device=torch_xla.device()).cpu()  # start the XLA runtime before the baseline
     sampler = RssSampler()

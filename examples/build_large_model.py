@@ -36,7 +36,7 @@ import time
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Preset, slice / world size, and which steps to run."""
-    from hf_xla_fsdp.build.presets import MODEL_PRESETS
+    from hf_xla_fsdp.planning.presets import MODEL_PRESETS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="vit-10b", choices=sorted(MODEL_PRESETS))
@@ -85,9 +85,9 @@ def run(index: int, args: argparse.Namespace) -> None:
     import torch_xla.runtime as xr
 
     from hf_xla_fsdp import XlaFsdpPlugin
-    from hf_xla_fsdp.build.planning import plan
-    from hf_xla_fsdp.build.presets import preset_config
-    from hf_xla_fsdp.build.tpu import parse_slice, plan_tpu
+    from hf_xla_fsdp.planning.presets import preset_config
+    from hf_xla_fsdp.planning.tpu import parse_slice, plan_tpu
+    from hf_xla_fsdp.planning.units import plan
 
     spawned = xr.world_size()
     world = args.world_size or (parse_slice(args.tpu).chips if args.tpu else spawned)

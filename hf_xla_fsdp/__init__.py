@@ -2,9 +2,8 @@
 
 from typing import Any
 
-from . import aliases
 from .errors import CheckpointError, ConfigError, PushError, XlaFsdpError
-from .integrations.hub import export
+from .export.hub import export
 from .plugin import XlaFsdpPlugin
 
 __version__ = "0.2.0"
@@ -12,7 +11,6 @@ __all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", 
            "XlaFsdpSFTTrainer", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd", "export", "xla_fsdp_trainer",
            "__version__"]
 
-aliases.install()
 
 # the Trainer and the Accelerator pull in transformers / accelerate (and torch_xla); config-only
 # users and the CLI should not pay for them

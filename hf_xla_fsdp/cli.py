@@ -42,15 +42,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     With ``--tpu SLICE``: the memory per chip of training on that slice, and whether it fits.
     """
-    from .build.planning import plan
-    from .build.presets import is_preset, preset_config
+    from .planning.presets import is_preset, preset_config
+    from .planning.units import plan
 
     plugin = _plan_plugin(args)
     if args.tpu is None:
         source = preset_config(args.model) if is_preset(args.model) else args.model
         print(json.dumps(plan(source, plugin, world_size=args.world_size or 1), indent=2))
         return 0
-    from .build.tpu import format_plan, plan_tpu
+    from .planning.tpu import format_plan, plan_tpu
 
     if args.world_size is not None:
         raise ConfigError("--world-size and --tpu exclude each other: a slice has one FSDP rank per chip")
@@ -75,7 +75,7 @@ def _no_xla_runtime() -> None:
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Consolidate FSDP rank files into a from_pretrained-ready safetensors directory."""
     _no_xla_runtime()
-    from .integrations.peft import consolidate_checkpoint
+    from .export.peft import consolidate_checkpoint
 
     summary = consolidate_checkpoint(
         args.ckpt, args.output, merge_adapters=args.merge_adapters, ckpt_suffix=args.ckpt_suffix, config=args.config,
@@ -104,7 +104,7 @@ def cmd_gather(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """Consolidated model + model card in DIR, optionally pushed to the Hub."""
     _no_xla_runtime()
-    from .integrations.hub import export
+    from .export.hub import export
 
     try:
         result = export(

@@ -280,16 +280,16 @@ class XlaFsdpPlugin:
     # ------------------------------------------------------------------ actions
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model`` (eager, on CPU or XLA) with nested XLA FSDP per this plugin."""
-        from .build.wrapping import wrap_model
+        from .modeling.wrapping import wrap_model
 
         return wrap_model(model, self)
 
     def build(self, config_or_pretrained_dir: Union["PretrainedConfig", str, os.PathLike], **kwargs: Any) -> torch.nn.Module:
         """Construct the model on ``meta`` and materialize, wrap and shard it block by block.
 
-        See :func:`hf_xla_fsdp.build.meta_init.build_model` for the keyword arguments.
+        See :func:`hf_xla_fsdp.modeling.meta_init.build_model` for the keyword arguments.
         """
-        from .build.meta_init import build_model
+        from .modeling.meta_init import build_model
 
         return build_model(config_or_pretrained_dir, self, **kwargs)
 
@@ -451,6 +451,6 @@ def _strategy(value: Any, key: str, source: str) -> Any:
 
 def resolve_classes(model: torch.nn.Module, names: Sequence[str]) -> set[type]:
     """Resolve module class names against the classes in ``model`` (see :func:`hf_xla_fsdp.build.wrapping.resolve_classes`)."""
-    from .build.wrapping import resolve_classes as resolve
+    from .modeling.wrapping import resolve_classes as resolve
 
     return resolve(model, names)

@@ -63,7 +63,7 @@ def main() -> None:
 
     plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, replica_size=args.replicas,
                            compute_dtype=args.dtype)
-    import hf_xla_fsdp.wrapping as wrapping
+    import hf_xla_fsdp.modeling.wrapping as wrapping
 
     order, replace = [], wrapping.replace_submodule
 
@@ -114,7 +114,7 @@ def main() -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        from hf_xla_fsdp.consolidate import consolidate
+        from hf_xla_fsdp.checkpoint.consolidate import consolidate
 
         out = Path(args.out)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -15,7 +15,12 @@ import yaml
 from helpers import ROOT, consolidate, run_python, tiny_llama
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
-from hf_xla_fsdp.accelerate_glue import ENV_CONFIG, _config_from_cmdline, find_accelerate_config, plugin_from_accelerate_launch
+from hf_xla_fsdp.integrations.accelerate import (
+    ENV_CONFIG,
+    _config_from_cmdline,
+    find_accelerate_config,
+    plugin_from_accelerate_launch,
+)
 
 YAML = ROOT / "examples" / "xla_fsdp.yaml"
 SCRIPT = ROOT / "examples" / "train_clm_accelerate.py"
@@ -155,7 +160,7 @@ def test_config_discovery(tmp_path, monkeypatch):
 
 def test_gradient_accumulation_clip_and_step_match_plain_fsdp():
     from hf_xla_fsdp import XlaFsdpPlugin
-    from hf_xla_fsdp.accelerate_glue import XlaFsdpAccelerator
+    from hf_xla_fsdp.integrations.accelerate import XlaFsdpAccelerator
     from hf_xla_fsdp.train import sync, xla_device
 
     config = tiny_llama()

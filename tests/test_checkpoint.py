@@ -15,7 +15,7 @@ from helpers import ROOT, build_ranks, fake_adam_state, save_ranks, tiny_llama, 
 from helpers import consolidate as xla_consolidate
 
 from hf_xla_fsdp.checkpoint import load_checkpoint, staging_dir
-from hf_xla_fsdp.rank_files import COMPLETE_MARKER, CheckpointError, open_checkpoint
+from hf_xla_fsdp.checkpoint.readers import COMPLETE_MARKER, CheckpointError, open_checkpoint
 
 
 def _consolidated_optimizer_state(models, optimizers, key):
@@ -57,7 +57,7 @@ def test_same_world_reads_only_its_own_file(tmp_path, monkeypatch):
     config = tiny_llama()
     models = build_ranks(config, 3)
     save_ranks(tmp_path / "ckpt", models, fake_adam_state(models), step=2)
-    from hf_xla_fsdp import rank_files
+    from hf_xla_fsdp.checkpoint import readers as rank_files
 
     opened = []
     real = rank_files.SafetensorsRankFile.__init__

@@ -11,8 +11,8 @@ from helpers import consolidate as xla_consolidate
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 
-from hf_xla_fsdp.consolidate import consolidate
-from hf_xla_fsdp.meta_init import build_eager
+from hf_xla_fsdp.checkpoint.consolidate import consolidate
+from hf_xla_fsdp.modeling.meta_init import build_eager
 
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
 

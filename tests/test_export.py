@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_xla_fsdp import XlaFsdpPlugin
 from hf_xla_fsdp.checkpoint import commit_checkpoint, write_rank_file
+from hf_xla_fsdp.checkpoint.consolidate import consolidate
 from hf_xla_fsdp.cli import main
-from hf_xla_fsdp.consolidate import consolidate
 
 LOSSES = {"1": 5.1, "2": 4.7, "3": 4.25}
 

@@ -18,8 +18,8 @@ from torch import nn
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
 from hf_xla_fsdp import XlaFsdpPlugin
-from hf_xla_fsdp.build.meta_init import build_eager
 from hf_xla_fsdp.engines.v1 import XlaFsdpV1, host_shard, host_sharding_unit_class
+from hf_xla_fsdp.modeling.meta_init import build_eager
 
 
 def _stock_and_lean(monkeypatch, make_model, plugin: XlaFsdpPlugin) -> tuple[nn.Module, nn.Module]:

@@ -12,8 +12,8 @@ from helpers import consolidate, tiny_bert, tiny_gpt2, tiny_llama
 from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin, meta_init, wrapping
-from hf_xla_fsdp.meta_init import build_eager
-from hf_xla_fsdp.wrapping import unwrap
+from hf_xla_fsdp.modeling.meta_init import build_eager
+from hf_xla_fsdp.modeling.wrapping import unwrap
 
 CASES = [(tiny_llama, LlamaForCausalLM), (tiny_gpt2, GPT2LMHeadModel), (tiny_bert, BertForMaskedLM),
          (lambda: tiny_llama(tie_word_embeddings=True), LlamaForCausalLM)]

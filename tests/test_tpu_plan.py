@@ -12,7 +12,7 @@ import torch
 from helpers import run_python, tiny_llama
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
-from hf_xla_fsdp.build.tpu import TPU_GENERATIONS, chip_memory, format_plan, parse_slice, plan_tpu
+from hf_xla_fsdp.planning.tpu import TPU_GENERATIONS, chip_memory, format_plan, parse_slice, plan_tpu
 
 BIN = Path(sys.executable).parent
 WORKER = Path(__file__).resolve().parent / "tpu_plan_worker.py"

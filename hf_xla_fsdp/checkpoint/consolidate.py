@@ -159,7 +159,7 @@ def write_config(config: Any, directory: Path, dtype: Optional[torch.dtype]) -> 
 
 def expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Shapes of the tensors ``from_pretrained`` expects for ``config``, and its tied names."""
-    from ..build.meta_init import model_class
+    from ..modeling.meta_init import model_class
 
     cls = model_class(config)
     with torch.device("meta"):  # transformers skips weight init on meta; nothing is allocated

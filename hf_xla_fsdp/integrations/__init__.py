@@ -1,2 +1,3 @@
-"""Glue to the Hugging Face tools: accelerate (``XlaFsdpAccelerator``), transformers' Trainer
-(``XlaFsdpTrainer``) and the Hub (export with a model card). Each module is imported on first use."""
+"""Thin adapters to the Hugging Face tools: accelerate (``XlaFsdpAccelerator``), transformers' Trainer
+(``XlaFsdpTrainer``), TRL (``XlaFsdpSFTTrainer``); ``upstream`` lists the private upstream APIs they rely on.
+Each module is imported on first use."""

@@ -43,7 +43,7 @@ from accelerate import Accelerator
 from ..engines import engine_for, engine_of, is_wrapped, unwrap
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin, read_accelerate_yaml
-from .preemption import PreemptionGuard
+from ..session.preemption import PreemptionGuard
 
 ENV_CONFIG = "HF_XLA_FSDP_ACCELERATE_CONFIG"
 
@@ -435,7 +435,7 @@ class XlaFsdpAccelerator(Accelerator):
                          state_dict: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any) -> None:
         """``save_pretrained`` of a sharded model: full weights gathered, written to a staging dir, then moved in."""
         from ..checkpoint.layout import merge_into
-        from .peft import is_peft_model, peft_writer
+        from ..export.peft import is_peft_model, peft_writer
 
         if state_dict is None and is_peft_model(inner):  # adapters only: the base is never read back
             from ..checkpoint.consolidate import save_consolidated
@@ -496,7 +496,7 @@ class XlaFsdpAccelerator(Accelerator):
 
         if not safe_serialization:
             raise ConfigError("hf_xla_fsdp writes safetensors only; call save_model with safe_serialization=True")
-        from .peft import peft_writer
+        from ..export.peft import peft_writer
 
         save_consolidated(model, save_directory, self.xla_fsdp_plugin, is_main=self.is_main_process,
                           step=self.step if step is None else step, extra=extra,

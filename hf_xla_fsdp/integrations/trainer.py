@@ -38,7 +38,7 @@ from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArg
 from ..engines import engine_for, engine_of, is_wrapped, unwrap
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
-from .preemption import PreemptionGuard
+from ..session.preemption import PreemptionGuard
 
 logger = logging.getLogger(__name__)
 
@@ -261,8 +261,8 @@ class XlaFsdpTrainerMixin:
 
     def _finish_wrapping(self, model: nn.Module) -> nn.Module:
         """The model with its outer unit: wrapped whole when nothing is yet, else only the root added."""
-        from ..build.wrapping import wrap_root
         from ..engines import unit_classes
+        from ..modeling.wrapping import wrap_root
 
         if not is_wrapped(model):
             return self.xla_fsdp_plugin.wrap(model)
@@ -533,7 +533,7 @@ class XlaFsdpTrainerMixin:
         if not is_wrapped(self.model):
             raise ConfigError("save_model needs the FSDP-wrapped model; build the trainer with a model or call train() first")
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
-        from .peft import peft_writer
+        from ..export.peft import peft_writer
 
         save_consolidated(self.model, output, self.xla_fsdp_plugin, is_main=self.args.should_save,
                           step=self.state.global_step, extra=self._training_record(),
@@ -551,7 +551,7 @@ class XlaFsdpTrainerMixin:
                           dataset_tags: Any = None, dataset: Union[str, list[str], None] = None,
                           dataset_args: Any = None) -> None:
         """README.md for ``output_dir`` from our model card template and the saved training record."""
-        from .hub import render_card
+        from ..export.hub import render_card
 
         if not self.is_world_process_zero():
             return

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 from torch import nn
 
-from ..build.adapters import require_peft
 from ..errors import CheckpointError, ConfigError
+from ..modeling.adapters import require_peft
 
 if TYPE_CHECKING:
     from ..checkpoint.readers import RankSet
@@ -49,7 +49,7 @@ def _peft_config(peft: Any, saved: dict[str, Any]) -> Any:
 def meta_peft_model(config: Any, adapters: dict[str, dict[str, Any]]) -> nn.Module:
     """A PeftModel skeleton on ``meta`` (nothing allocated) from the base config and the saved peft configs."""
     peft = require_peft()
-    from ..build.meta_init import model_class
+    from ..modeling.meta_init import model_class
 
     cls = model_class(config)
     with torch.device("meta"):

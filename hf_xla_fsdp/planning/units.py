@@ -32,8 +32,8 @@ def unit_params(model: nn.Module, blocks: list[str]) -> dict[str, list[Any]]:
 
 def plan(source: Any, plugin: "XlaFsdpPlugin", world_size: int = 1) -> dict[str, Any]:
     """Describe how ``source`` would be sharded over ``world_size`` ranks (nothing is materialized)."""
-    from .meta_init import build_skeleton, resolve_source
-    from .wrapping import select_blocks
+    from ..modeling.meta_init import build_skeleton, resolve_source
+    from ..modeling.wrapping import select_blocks
 
     if world_size < 1:
         raise ValueError("world_size must be >= 1")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..errors import ConfigError
-from .planning import unit_params
+from .units import unit_params
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -228,9 +228,9 @@ class _Model:
 
 
 def _load_model(source: Any, plugin: "XlaFsdpPlugin") -> _Model:
-    from .meta_init import build_skeleton, resolve_source
+    from ..modeling.meta_init import build_skeleton, resolve_source
+    from ..modeling.wrapping import select_blocks
     from .presets import is_preset, preset_config
-    from .wrapping import select_blocks
 
     src = resolve_source(preset_config(source) if is_preset(source) else source)
     model = build_skeleton(src, record_init=False).model
