@@ -70,7 +70,8 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from hf_xla_fsdp import XlaFsdpPlugin
-    from hf_xla_fsdp.modeling import meta_init, wrapping
+    from hf_xla_fsdp.engines.v1 import XlaFsdpV1
+    from hf_xla_fsdp.modeling import meta_init
     from hf_xla_fsdp.planning.presets import MODEL_PRESETS
 
     kwargs = {k: v for k, v in MODEL_PRESETS[args.preset][1].items() if k != "architectures"}
@@ -85,8 +86,8 @@ def main() -> None:
         meta_init.Materializer.fill,
         lambda self, modules: "fill_root" if any(type(m).__name__ in root_names for m in modules) else "fill_block",
         "between")
-    wrapping.wrap_block = tl.around(wrapping.wrap_block, lambda *a, **k: "wrap_block", "sync_block")
-    wrapping.wrap_root = tl.around(wrapping.wrap_root, lambda *a, **k: "wrap_root", "sync_root")
+    XlaFsdpV1.wrap_block = tl.around(XlaFsdpV1.wrap_block, lambda *a, **k: "wrap_block", "sync_block")
+    XlaFsdpV1.wrap_root = tl.around(XlaFsdpV1.wrap_root, lambda *a, **k: "wrap_root", "sync_root")
     plugin = XlaFsdpPlugin(sharding_groups=[list(range(args.world_size))], sharding_rank=args.rank,
                            sharding_world_size=args.world_size)
     torch.manual_seed(0)

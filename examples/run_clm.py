@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 from clm_data import build_datasets  # noqa: E402
 
 from hf_xla_fsdp import XlaFsdpTrainer  # noqa: E402
-from hf_xla_fsdp.integrations.trainer import enable_spmd_if_configured  # noqa: E402
+from hf_xla_fsdp.integrations.startup import enable_spmd_if_configured  # noqa: E402
 
 
 @dataclass

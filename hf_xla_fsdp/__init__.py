@@ -6,15 +6,15 @@ from .errors import CheckpointError, ConfigError, PushError, XlaFsdpError
 from .export.hub import export
 from .plugin import XlaFsdpPlugin
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", "XlaFsdpError", "XlaFsdpPlugin",
-           "XlaFsdpSFTTrainer", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd", "export", "xla_fsdp_trainer",
-           "__version__"]
+           "XlaFsdpSFTTrainer", "XlaFsdpSession", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd", "export",
+           "xla_fsdp_trainer", "__version__"]
 
 
 # the Trainer and the Accelerator pull in transformers / accelerate (and torch_xla); config-only
 # users and the CLI should not pay for them
-_LAZY = {"enable_spmd": "engines.v2", "XlaFsdpTrainer": "integrations.trainer",
+_LAZY = {"enable_spmd": "engines.v2", "XlaFsdpSession": "session", "XlaFsdpTrainer": "integrations.trainer",
          "XlaFsdpTrainerMixin": "integrations.trainer", "xla_fsdp_trainer": "integrations.trainer",
          "XlaFsdpAccelerator": "integrations.accelerate", "XlaFsdpSFTTrainer": "integrations.trl"}
 

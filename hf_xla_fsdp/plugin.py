@@ -3,9 +3,11 @@ transformers' `fsdp_config` (dict or JSON) and from an accelerate YAML's `fsdp_c
 
 Each setting is described once, by its field: its type and default, ``help``, the other spellings
 it is accepted under (``aliases``), whether it is an ``XlaFullyShardedDataParallel`` keyword
-(``fsdp_kwarg``, also accepted inside transformers' ``xla_fsdp_settings``) and which engines honour
-it (``engines``). The accepted keys, the aliases, the type checks and the "allowed keys" of error
-messages are all derived from these descriptions, so a new setting is one field.
+(``fsdp_kwarg``, also accepted inside transformers' ``xla_fsdp_settings``), which engines honour
+it (``engines``) and which values an engine refuses (``refused``). The accepted keys, the aliases,
+the type checks and the "allowed keys" of error messages are all derived from these descriptions,
+so a new setting is one field. The plugin holds settings only: it imports no engine (the session
+resolves the engine from ``version``; :meth:`build` and :meth:`wrap` hand over to a session).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .config.keys import normalize, read_accelerate_yaml, read_settings_file
 from .errors import ConfigError
 from .settings import check_size, parse_bool, parse_dtype, parse_int
 
@@ -32,17 +35,32 @@ CHECKPOINT_FORMATS = ("sharded", "sharded+consolidated")
 CHECKPOINT_STORAGES = ("auto", "shared", "local", "object")  # checkpoint/storage.py: one backend each
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
-_LEGACY_STRATEGIES = {"full_shard": "zero3", "shard_grad_op": "zero2"}
+
+#: the engines ``version`` selects (``hf_xla_fsdp.engines.ENGINES`` implements each; a test keeps them equal)
+ENGINE_TITLES = {1: "FSDP v1 (XlaFullyShardedDataParallel)", 2: "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
+#: accelerate's ``distributed_type`` each engine runs under, and the fix when it is another
+ENGINE_LAUNCHERS = {
+    1: (("XLA", "TPU"), "XLA FSDP needs distributed_type: XLA"),
+    # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
+    2: (("NO",), "FSDP v2 (SPMD) drives every device from one process; set distributed_type: NO and num_processes: 1 "
+                 "(see examples/xla_fsdp_v2.yaml)"),
+}
 
 
 def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg: bool = False,
-            engines: Sequence[int] = (1, 2), minimum: int = 0) -> Any:
-    """A plugin field with its one description (see the module docstring for the keys)."""
+            engines: Sequence[int] = (1, 2), minimum: int = 0,
+            refused: Optional[Mapping[int, tuple[tuple[Any, ...], str]]] = None) -> Any:
+    """A plugin field with its one description (see the module docstring for the keys).
+
+    ``refused`` maps an engine version to the values it cannot honour and why (one line, with the fix).
+    """
     return dataclasses.field(default=default, metadata={
-        "help": help, "aliases": tuple(aliases), "fsdp_kwarg": fsdp_kwarg, "engines": tuple(engines), "minimum": minimum})
+        "help": help, "aliases": tuple(aliases), "fsdp_kwarg": fsdp_kwarg, "engines": tuple(engines), "minimum": minimum,
+        "refused": dict(refused or {})})
 
 
 _V1 = (1,)
+_NO_FP16_ON_V2 = {2: ((torch.float16,), "FSDP v2 has no loss scaling for float16; use bfloat16 or float32")}
 
 
 @dataclass
@@ -68,9 +86,9 @@ class XlaFsdpPlugin:
     compute_dtype: Optional[Union[str, torch.dtype]] = setting(
         None, "dtype of forward/backward compute, e.g. 'bfloat16'. v1: shards stay fp32, gathered parameters are "
               "cast; v2: parameters are stored in it and the optimizer updates fp32 master copies of the "
-              "trainable ones", fsdp_kwarg=True)
+              "trainable ones", fsdp_kwarg=True, refused=_NO_FP16_ON_V2)
     buffer_dtype: Optional[Union[str, torch.dtype]] = setting(
-        None, "dtype of buffers during compute", fsdp_kwarg=True)
+        None, "dtype of buffers during compute", fsdp_kwarg=True, refused=_NO_FP16_ON_V2)
     fp32_reduce_scatter: bool = setting(False, "reduce-scatter gradients in fp32", fsdp_kwarg=True, engines=_V1)
     reshard_after_forward: bool = setting(True, "free gathered parameters after forward", fsdp_kwarg=True, engines=_V1)
     flatten_parameters: bool = setting(False, "flatten each unit's parameters into one tensor", fsdp_kwarg=True,
@@ -98,8 +116,9 @@ class XlaFsdpPlugin:
     replica_size: int = setting(1, "FSDP v2: devices form a (replica_size, N / replica_size) mesh; parameters are "
                                    "split over the second axis and replicated over the first (hybrid when > 1)",
                                 minimum=1)
-    checkpoint_format: str = setting("sharded", "what a Trainer checkpoint holds: 'sharded' (rank files) or "
-                                                "'sharded+consolidated' (also a from_pretrained-ready copy)")
+    checkpoint_format: str = setting("sharded", "what a training checkpoint (the Trainer's checkpoint-N, accelerate's "
+                                                "save_state) holds: 'sharded' (rank files) or 'sharded+consolidated' "
+                                                "(also a from_pretrained-ready copy)")
     consolidate_dtype: str = setting("auto", "dtype of consolidated models ('auto' keeps the trained dtype)")
     consolidate_max_shard_size: Union[int, str] = setting("5GB", "largest safetensors file of consolidated models")
     merge_adapters: bool = setting(False, "PEFT models: the final save writes the full model with the LoRA updates "
@@ -124,9 +143,9 @@ class XlaFsdpPlugin:
                 setattr(self, f.name, parse_bool(getattr(self, f.name), f.name))
             elif f.type == "int":
                 setattr(self, f.name, parse_int(getattr(self, f.name), f.name, f.metadata["minimum"]))
-        from .engines import engine_for
-
-        engine = engine_for(self)  # an unknown version fails here, naming the allowed ones
+        if self.version not in ENGINE_TITLES:
+            raise ConfigError(f"version={self.version!r} is not valid; allowed values: "
+                              + ", ".join(f"{v} = {title}" for v, title in sorted(ENGINE_TITLES.items())))
         sharding = str(self.sharding).strip().lower()
         sharding = _SHARDING_ALIASES.get(sharding, sharding)
         if sharding not in _SHARDING:
@@ -161,7 +180,11 @@ class XlaFsdpPlugin:
         check_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
         self.compute_dtype = parse_dtype(self.compute_dtype, "compute_dtype")
         self.buffer_dtype = parse_dtype(self.buffer_dtype, "buffer_dtype")
-        engine.check_settings(self)
+        for f in dataclasses.fields(self):
+            values, why = f.metadata["refused"].get(self.version, ((), ""))
+            if getattr(self, f.name) in values:
+                raise ConfigError(f"{f.name}={str(getattr(self, f.name)).replace('torch.', '')} is not available with "
+                                  f"version={self.version}: {why}")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         changed = [n for n in self.engine_only_fields(self.version) if getattr(self, n) != defaults[n]]
         if changed:
@@ -206,7 +229,13 @@ class XlaFsdpPlugin:
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any], *, source: str = "settings") -> "XlaFsdpPlugin":
         """Build from our own vocabulary (field names, ``fsdp_`` prefixes allowed); unknown keys are errors."""
-        return cls(**_normalize(settings, source))
+        return cls(**cls._normalize(settings, source))
+
+    @classmethod
+    def _normalize(cls, settings: Mapping[str, Any], source: str) -> dict[str, Any]:
+        fields = dataclasses.fields(cls)
+        return normalize(settings, source, fields={f.name for f in fields}, fsdp_kwargs=cls.fsdp_kwarg_names(),
+                         aliases={alias: f.name for f in fields for alias in f.metadata["aliases"]})
 
     @classmethod
     def from_fsdp_config(cls, fsdp_config: Union[Mapping[str, Any], str, os.PathLike]) -> "XlaFsdpPlugin":
@@ -222,7 +251,7 @@ class XlaFsdpPlugin:
             fsdp_config = read_settings_file(fsdp_config, "fsdp_config", json.load, json.JSONDecodeError, "JSON")
         if not isinstance(fsdp_config, Mapping):
             raise ConfigError(f"{source} must be a JSON object / dict of settings, got {type(fsdp_config).__name__}")
-        return cls(**_normalize(fsdp_config, source))
+        return cls(**cls._normalize(fsdp_config, source))
 
     @classmethod
     def from_accelerate_config(cls, yaml_path: Union[str, os.PathLike]) -> "XlaFsdpPlugin":
@@ -233,9 +262,24 @@ class XlaFsdpPlugin:
         settings = data.get("fsdp_config") or {}
         if not isinstance(settings, Mapping):
             raise ConfigError(f"fsdp_config in {yaml_path} must be a mapping of settings")
-        out = _normalize(settings, f"fsdp_config in {yaml_path}")
+        out = cls._normalize(settings, f"fsdp_config in {yaml_path}")
         precision = data.get("mixed_precision")
         return cls(**out).with_mixed_precision(precision, f"mixed_precision={precision} in {yaml_path}")
+
+    @classmethod
+    def from_accelerate_launch(cls) -> "XlaFsdpPlugin":
+        """The plugin described by the ``fsdp_config:`` of the accelerate YAML this process was launched with
+        (found as :func:`hf_xla_fsdp.config.sources.find_accelerate_config` says), checked against its
+        ``distributed_type``."""
+        from .config.sources import ENV_CONFIG, find_accelerate_config
+
+        path = find_accelerate_config()
+        if path is None:
+            raise ConfigError("no accelerate config found: run under `accelerate launch --config_file xla_fsdp.yaml`, set "
+                              f"{ENV_CONFIG}, or pass fsdp_plugin=XlaFsdpPlugin(...)")
+        plugin = cls.from_accelerate_config(path)
+        plugin.check_launcher(read_accelerate_yaml(path).get("distributed_type", "XLA"), str(path))
+        return plugin
 
     def with_mixed_precision(self, precision: Any, source: str) -> "XlaFsdpPlugin":
         """This plugin with accelerate's / the Trainer's mixed precision (``"no"``, ``"bf16"``, ``"fp16"``) applied.
@@ -277,21 +321,28 @@ class XlaFsdpPlugin:
                 del kwargs[name]
         return kwargs
 
-    # ------------------------------------------------------------------ actions
+    def check_launcher(self, distributed_type: Any, source: str) -> None:
+        """Refuse an accelerate ``distributed_type`` the selected engine cannot run under (one line with the fix)."""
+        distributed = str(distributed_type).upper()
+        allowed, why = ENGINE_LAUNCHERS[self.version]
+        if distributed not in allowed:
+            raise ConfigError(f"distributed_type={distributed!r} in {source}: {why}")
+
+    # ------------------------------------------------------------------ actions (a session does the work)
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Wrap ``model`` (eager, on CPU or XLA) with nested XLA FSDP per this plugin."""
-        from .modeling.wrapping import wrap_model
+        from .session import XlaFsdpSession
 
-        return wrap_model(model, self)
+        return XlaFsdpSession(self).wrap_model(model)
 
     def build(self, config_or_pretrained_dir: Union["PretrainedConfig", str, os.PathLike], **kwargs: Any) -> torch.nn.Module:
         """Construct the model on ``meta`` and materialize, wrap and shard it block by block.
 
-        See :func:`hf_xla_fsdp.modeling.meta_init.build_model` for the keyword arguments.
+        See :meth:`hf_xla_fsdp.session.XlaFsdpSession.build_model` for the keyword arguments.
         """
-        from .modeling.meta_init import build_model
+        from .session import XlaFsdpSession
 
-        return build_model(config_or_pretrained_dir, self, **kwargs)
+        return XlaFsdpSession(self).build_model(config_or_pretrained_dir, **kwargs)
 
     @staticmethod
     def prepare_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -300,157 +351,6 @@ class XlaFsdpPlugin:
         Needed only in a hand-written loop: accelerate's ``prepare`` and the Trainer call it. With FSDP v2
         and ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters.
         """
-        from .engines import engine_of
+        from .session import prepare_optimizer
 
-        engine_of(model).prepare_optimizer(model, optimizer)
-        return optimizer
-
-
-def read_settings_file(path: Union[str, os.PathLike], kind: str, parse: Any, error: type, language: str) -> Any:
-    """Parse a settings file, turning a missing or malformed file into a one-line ConfigError."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return parse(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{kind} file {path} does not exist") from None
-    except error as err:
-        raise ConfigError(f"{kind} file {path} is not valid {language}: {' '.join(str(err).split())}") from None
-
-
-def read_accelerate_yaml(path: Union[str, os.PathLike]) -> Any:
-    """The parsed accelerate YAML config (``{}`` for an empty file)."""
-    import yaml
-
-    return read_settings_file(path, "accelerate config", yaml.safe_load, yaml.YAMLError, "YAML") or {}
-
-
-# transformers' fsdp_config keys that are not settings of their own
-_SPECIAL_KEYS = ("xla", "xla_fsdp_v2", "xla_fsdp_settings")
-
-# keys of accelerate's torch-FSDP plugin (as `accelerate config` writes them) that say nothing on XLA: accepted
-# with one logged note each
-_NO_MEANING_ON_XLA = {
-    "fsdp_backward_prefetch": "XLA schedules the all-gathers itself",
-    "fsdp_forward_prefetch": "XLA schedules the all-gathers itself",
-    "fsdp_sync_module_states": "every rank builds the same weights (same seed, or the same pretrained files)",
-    "fsdp_use_orig_params": "optimizer groups, weight decay and checkpoints use the original parameter names anyway",
-    "fsdp_cpu_offload": "parameters stay on the XLA device",
-}
-_STATE_DICT_TYPES = {"full_state_dict": "sharded+consolidated", "sharded_state_dict": "sharded",
-                     "local_state_dict": "sharded"}
-_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
-_ACCELERATE_DEFAULT_MIN_NUM_PARAMS = 100_000_000  # accelerate's FullyShardedDataParallelPlugin default
-
-
-def _aliases() -> dict[str, str]:
-    return {alias: f.name for f in dataclasses.fields(XlaFsdpPlugin) for alias in f.metadata["aliases"]}
-
-
-def _note(key: str, value: Any, why: str, source: str) -> None:
-    logger.warning("%s=%r in %s has no meaning on XLA (%s); ignored", key, value, source, why)
-
-
-def _accelerate_key(key: str, value: Any, out: dict[str, Any], source: str) -> bool:
-    """Map one key of accelerate's torch-FSDP vocabulary onto our settings; False when ``key`` is not one of them."""
-    if key in _NO_MEANING_ON_XLA:
-        _note(key, value, _NO_MEANING_ON_XLA[key], source)
-    elif key == "fsdp_version":  # torch FSDP1 / FSDP2 (fully_shard); our engine is `version`
-        if parse_int(value, key, 1) == 2:
-            out["_torch_fsdp2"] = True
-        else:
-            _note(key, value, "it picks torch's FSDP implementation; `version` picks the XLA FSDP engine", source)
-    elif key == "fsdp_offload_params":
-        if parse_bool(value, key):
-            raise ConfigError(f"{key}=true in {source} cannot be honoured: XLA FSDP keeps parameters on the XLA device "
-                              "(no CPU offload); set it to false or remove it")
-    elif key == "fsdp_cpu_ram_efficient_loading":
-        out["meta_init"] = value  # the same intent: never the whole model in host memory
-    elif key == "fsdp_state_dict_type":
-        fmt = _STATE_DICT_TYPES.get(str(value).strip().lower())
-        if fmt is None:
-            raise ConfigError(f"{key}={value!r} in {source} is not valid; allowed values: "
-                              f"{', '.join(t.upper() for t in _STATE_DICT_TYPES)}")
-        out["checkpoint_format"] = fmt
-    elif key == "fsdp_auto_wrap_policy":
-        policy = str(value).strip().lower()
-        if policy not in _WRAP_POLICIES:
-            raise ConfigError(f"{key}={value!r} in {source} is not valid; allowed values: "
-                              f"{', '.join(p.upper() for p in _WRAP_POLICIES)}")
-        out["_auto_wrap_policy"] = policy
-    else:
-        return False
-    return True
-
-
-def _normalize(settings: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Map transformers/accelerate spellings onto field names; reject anything unknown."""
-    fields = set(XlaFsdpPlugin.field_names())
-    aliases = _aliases()
-    kwargs = XlaFsdpPlugin.fsdp_kwarg_names()
-    out: dict[str, Any] = {}
-    for raw_key, value in settings.items():
-        if _accelerate_key(str(raw_key), value, out, source):
-            continue
-        key = str(raw_key)
-        key = key[len("fsdp_"):] if key.startswith("fsdp_") else key
-        if key == "xla":
-            if not parse_bool(value, "xla"):
-                raise ConfigError(f"xla={value!r} in {source}: hf_xla_fsdp configures XLA FSDP; set xla to true")
-            continue
-        if key == "xla_fsdp_v2":
-            if parse_bool(value, "xla_fsdp_v2"):
-                out["version"] = 2
-            continue
-        if key == "xla_fsdp_settings":
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"xla_fsdp_settings in {source} must be a mapping of XlaFullyShardedDataParallel options")
-            for sub_key, sub_value in value.items():
-                if sub_key not in kwargs:
-                    raise ConfigError(f"unknown key xla_fsdp_settings.{sub_key} in {source}; allowed: {', '.join(kwargs)}")
-                out[sub_key] = sub_value
-            continue
-        if key == "reshard_after_forward" and isinstance(value, str):
-            # accelerate writes the FSDP1 sharding strategy here; transformers turns `--fsdp "full_shard"` into it
-            out["sharding"] = _strategy(value, str(raw_key), source)
-            continue
-        key = aliases.get(key, key)
-        if key not in fields:
-            raise ConfigError(
-                f"unknown key {raw_key!r} in {source}; allowed: {', '.join(_SPECIAL_KEYS)}, "
-                f"{', '.join(sorted(set(aliases) | fields))}, and accelerate's fsdp_* keys (see the README's table)"
-            )
-        out[key] = value
-    if "sharding" in out:
-        out["sharding"] = _strategy(out["sharding"], "sharding", source)
-    policy = out.pop("_auto_wrap_policy", None)
-    if policy == "no_wrap":
-        out["sharding"] = "zero2"  # one unit: the root
-    elif policy == "size_based_wrap":
-        out.setdefault("min_num_params", _ACCELERATE_DEFAULT_MIN_NUM_PARAMS)
-    elif policy == "transformer_based_wrap" and int(out.get("min_num_params") or 0) > 0:
-        raise ConfigError(f"fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP in {source} conflicts with min_num_params > 0 "
-                          "(size-based wrapping); keep one of them")
-    if out.pop("_torch_fsdp2", False) and int(out.get("version", 1)) != 2:
-        raise ConfigError(f"fsdp_version=2 in {source} selects torch's FSDP2 (fully_shard), which does not run on XLA; "
-                          "remove it for XLA FSDP v1 (distributed_type: XLA), or set version: 2 with distributed_type: NO "
-                          "for XLA FSDP v2 (SPMD)")
-    return out
-
-
-def _strategy(value: Any, key: str, source: str) -> Any:
-    """Sharding strategies of torch FSDP mapped onto ``sharding``; those XLA FSDP cannot honour are refused."""
-    name = str(value).strip().lower()
-    if name in ("no_shard", "3"):
-        raise ConfigError(f"{key}={value!r} in {source}: NO_SHARD is plain data parallelism, not FSDP; use "
-                          "FULL_SHARD (zero3) or SHARD_GRAD_OP (zero2), or train without hf_xla_fsdp")
-    if name.startswith("hybrid_shard") or name in ("4", "5"):
-        raise ConfigError(f"{key}={value!r} in {source}: hybrid sharding is FSDP v2's replica_size here; "
-                          "set version: 2 and replica_size: N (parameters replicated over N groups)")
-    return _LEGACY_STRATEGIES.get(name, value)
-
-
-def resolve_classes(model: torch.nn.Module, names: Sequence[str]) -> set[type]:
-    """Resolve module class names against the classes in ``model`` (see :func:`hf_xla_fsdp.build.wrapping.resolve_classes`)."""
-    from .modeling.wrapping import resolve_classes as resolve
-
-    return resolve(model, names)
+        return prepare_optimizer(model, optimizer)

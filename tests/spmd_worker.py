@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from helpers import tiny_llama  # noqa: E402
 
-from hf_xla_fsdp import XlaFsdpPlugin, spmd  # noqa: E402
+from hf_xla_fsdp import XlaFsdpPlugin  # noqa: E402
 from hf_xla_fsdp.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from hf_xla_fsdp.engines import v2 as spmd  # noqa: E402
 from hf_xla_fsdp.train import arithmetic_lm_batches, train_step  # noqa: E402
 
 CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3)
@@ -63,7 +64,7 @@ def main() -> None:
 
     plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, replica_size=args.replicas,
                            compute_dtype=args.dtype)
-    import hf_xla_fsdp.modeling.wrapping as wrapping
+    import hf_xla_fsdp.modeling.meta_init as wrapping  # where the build places each wrapped block
 
     order, replace = [], wrapping.replace_submodule
 

@@ -15,12 +15,9 @@ import yaml
 from helpers import ROOT, consolidate, run_python, tiny_llama
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
-from hf_xla_fsdp.integrations.accelerate import (
-    ENV_CONFIG,
-    _config_from_cmdline,
-    find_accelerate_config,
-    plugin_from_accelerate_launch,
-)
+from hf_xla_fsdp.config.sources import ENV_CONFIG, _config_from_cmdline, find_accelerate_config
+
+plugin_from_accelerate_launch = XlaFsdpPlugin.from_accelerate_launch
 
 YAML = ROOT / "examples" / "xla_fsdp.yaml"
 SCRIPT = ROOT / "examples" / "train_clm_accelerate.py"

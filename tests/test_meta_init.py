@@ -11,9 +11,11 @@ import torch
 from helpers import consolidate, tiny_bert, tiny_gpt2, tiny_llama
 from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
-from hf_xla_fsdp import ConfigError, XlaFsdpPlugin, meta_init, wrapping
+from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
+from hf_xla_fsdp.engines import unwrap
+from hf_xla_fsdp.engines.v1 import XlaFsdpV1
+from hf_xla_fsdp.modeling import meta_init
 from hf_xla_fsdp.modeling.meta_init import build_eager
-from hf_xla_fsdp.modeling.wrapping import unwrap
 
 CASES = [(tiny_llama, LlamaForCausalLM), (tiny_gpt2, GPT2LMHeadModel), (tiny_bert, BertForMaskedLM),
          (lambda: tiny_llama(tie_word_embeddings=True), LlamaForCausalLM)]
@@ -82,13 +84,13 @@ def test_emulated_ranks_shard_and_reassemble(llama_config):
 
 def test_blocks_are_materialized_one_at_a_time(llama_config, monkeypatch):
     seen = []
-    real = wrapping.wrap_block
+    real = XlaFsdpV1.wrap_block
 
-    def spy(block, plugin, nested):
+    def spy(self, block, plugin, nested):
         model_meta = sum(p.is_meta for p in spy.model.parameters())
         block_meta = sum(p.is_meta for p in block.parameters())
         seen.append((block_meta, model_meta))
-        return real(block, plugin, nested)
+        return real(self, block, plugin, nested)
 
     real_skeleton = meta_init.build_skeleton
 
@@ -97,7 +99,7 @@ def test_blocks_are_materialized_one_at_a_time(llama_config, monkeypatch):
         spy.model = sk.model
         return sk
 
-    monkeypatch.setattr(wrapping, "wrap_block", spy)
+    monkeypatch.setattr(XlaFsdpV1, "wrap_block", spy)
     monkeypatch.setattr(meta_init, "build_skeleton", capture)
     XlaFsdpPlugin().build(llama_config, progress=False)
     per_block = 9  # q,k,v,o,gate,up,down + two norms

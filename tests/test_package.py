@@ -139,8 +139,25 @@ def collect_imports(path: Path, module: str) -> list[ImportSite]:
 Graph = dict[str, dict[str, list[str]]]  # source -> target -> import sites "path:line"
 
 
+def _ancestors(module: str) -> list[str]:
+    """The packages whose ``__init__`` runs before ``module``: ``a.b.c`` -> ``a``, ``a.b``."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def run_by_import(target: str, source: str) -> list[str]:
+    """What importing ``target`` from ``source`` runs: ``target`` and its package ``__init__``s, except the top
+    package (it is always imported first: every module of ours is reached through it) and the packages of
+    ``source`` itself (their ``__init__`` ran before ``source`` did)."""
+    own = set(_ancestors(source)) | {source}
+    return [p for p in _ancestors(target)[1:] if p not in own] + [target]
+
+
 def import_graph(modules: dict[str, Path]) -> Graph:
-    """Edges between the package's own modules; ``from X import n`` goes to ``X.n`` when that is a module."""
+    """Edges between the package's own modules; ``from X import n`` goes to ``X.n`` when that is a module.
+
+    Importing a submodule runs its package's ``__init__`` first, so an import of ``pkg.sub.mod`` is an edge to
+    ``pkg.sub`` too (see :func:`run_by_import`): a cycle through what a package ``__init__`` imports counts."""
     graph: Graph = {name: {} for name in modules}
     for source, path in modules.items():
         for site in collect_imports(path, source):
@@ -149,11 +166,12 @@ def import_graph(modules: dict[str, Path]) -> Graph:
             targets = [f"{site.module}.{n}" if f"{site.module}.{n}" in modules else site.module
                        for n in site.names] or [site.module]
             for target in targets:
-                if target in modules and target != source:
-                    where = f"{_shown(path)}:{site.line}"
-                    sites = graph[source].setdefault(target, [])
-                    if where not in sites:  # one line may import several names of the same module
-                        sites.append(where)
+                for ran in run_by_import(target, source):
+                    if ran in modules and ran != source:
+                        where = f"{_shown(path)}:{site.line}"
+                        sites = graph[source].setdefault(ran, [])
+                        if where not in sites:  # one line may import several names of the same module
+                            sites.append(where)
     return graph
 
 
@@ -232,6 +250,42 @@ def test_import_graph_has_no_cycle() -> None:
     cycles = simple_cycles(graph)
     if cycles:
         pytest.fail(format_cycles(graph, cycles), pytrace=False)
+
+
+def _reachable(graph: Graph, start: str) -> dict[str, list[str]]:
+    """Every module importing ``start`` runs (lazy imports included), with the chain that gets there."""
+    paths: dict[str, list[str]] = {start: [start]}
+    todo = [start]
+    while todo:
+        here = todo.pop()
+        for nxt in sorted(graph[here]):
+            if nxt not in paths:
+                paths[nxt] = paths[here] + [nxt]
+                todo.append(nxt)
+    return paths
+
+
+@pytest.mark.parametrize("layer", [f"{PACKAGE}.checkpoint", f"{PACKAGE}.plugin", f"{PACKAGE}.config",
+                                   f"{PACKAGE}.modeling", f"{PACKAGE}.export"])
+def test_lower_layers_never_reach_an_engine(layer: str) -> None:
+    """Data flows one way (config -> plugin -> session -> engine -> ... -> checkpoint -> export): checkpoints, settings,
+    model construction and export never import an engine, directly or through anything they import. The plugin may
+    hand its work to a session (``build``/``wrap``), which is where engines come in."""
+    modules = discover_modules()
+    graph = import_graph(modules)
+    plugin = f"{PACKAGE}.plugin"  # its build/wrap hand over to a session; the settings themselves import no engine
+    graph[plugin] = {t: s for t, s in graph[plugin].items() if not t.startswith(f"{PACKAGE}.session")}
+    starts = [m for m in modules if m == layer or m.startswith(layer + ".")]
+    for start in starts:
+        engines = [(m, chain) for m, chain in _reachable(graph, start).items() if m.startswith(f"{PACKAGE}.engines")]
+        if engines:
+            pytest.fail(f"{start} reaches {engines[0][0]}: {' -> '.join(engines[0][1])}", pytrace=False)
+
+
+def test_no_package_folder_is_named_like_build_output() -> None:
+    """Tools skip folders named build/dist (gitignore templates, linters, pytest's norecursedirs)."""
+    bad = [p for p in PACKAGE_DIR.rglob("*") if p.is_dir() and p.name in ("build", "dist", "out")]
+    assert not bad, f"package folders named like build output: {bad}"
 
 
 # ---------------------------------------------------------------- checkpoint package stays XLA-free

@@ -199,7 +199,10 @@ def test_meta_built_model_is_wrapped_once_and_introspected(tmp_path, llama_confi
     import torch_xla.core.xla_model as xm
 
     from hf_xla_fsdp import XlaFsdpTrainer
-    from hf_xla_fsdp.modeling.wrapping import fsdp_class, fsdp_units, unwrap
+    from hf_xla_fsdp.engines import ENGINES, fsdp_units, unwrap
+
+    def fsdp_class():
+        return ENGINES[1].unit_class()
 
     step_before = xm.optimizer_step
     args = make_args(tmp_path, {"xla": True, "xla_fsdp_grad_ckpt": True, "meta_init": True}, weight_decay=0.1)
@@ -212,9 +215,7 @@ def test_meta_built_model_is_wrapped_once_and_introspected(tmp_path, llama_confi
     assert [name for name, _ in fsdp_units(trainer.model)] == units  # train() did not wrap again
     assert xm.optimizer_step is step_before  # unlike the stock path, nothing global is patched
     # weight decay follows transformers' rule on the original names: norms never decay
-    from hf_xla_fsdp.integrations.trainer import original_parameter_names
-
-    names = original_parameter_names(trainer.model)
+    names = trainer.xla_fsdp_session.original_names(trainer.model)
     decayed = {names[n] for n in trainer.get_decay_parameter_names(trainer.model)}
     assert "model.layers.0.self_attn.q_proj.weight" in decayed and "lm_head.weight" in decayed
     assert not [n for n in decayed if "norm" in n]

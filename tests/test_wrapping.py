@@ -9,8 +9,9 @@ from helpers import consolidate, tiny_bert, tiny_gpt2, tiny_llama
 from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
+from hf_xla_fsdp.engines import fsdp_units, unwrap
 from hf_xla_fsdp.modeling.meta_init import build_eager
-from hf_xla_fsdp.modeling.wrapping import fsdp_units, select_blocks, unwrap
+from hf_xla_fsdp.modeling.wrapping import select_blocks
 from hf_xla_fsdp.train import sync, train_step, xla_device
 
 

@@ -1,9 +1,9 @@
 """Sharded rank checkpoints: layout and atomic publish, safetensors I/O, readers of every rank-file format,
 save, load/reshard and streaming consolidation, for every engine.
 
-This package imports torch only, never torch_xla: what a rank's tensors are and how they go back
-onto the devices is asked of the engine (:mod:`hf_xla_fsdp.engines`), so consolidation and
-inspection run on any machine with torch.
+This package imports torch only, never torch_xla nor an engine: what a rank's tensors are and how they
+go back onto the devices is asked of the engine that wrapped the model, found on the model itself
+(:mod:`.codec`), so consolidation and inspection run on any machine with torch.
 """
 
 from __future__ import annotations

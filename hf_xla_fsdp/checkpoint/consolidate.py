@@ -3,8 +3,9 @@
 Every output tensor is assembled from only the bytes of each rank file it needs (rows of flat
 FSDP v1 shards, or the pieces of FSDP v2 slices) and written straight into its safetensors shard,
 so peak host memory stays near one tensor, however large the model or the output shards. No XLA
-runtime is needed: torch_xla is never imported here. :func:`save_consolidated` is the one
-save-then-consolidate path of the Trainer and accelerate glue.
+runtime is needed: torch_xla is never imported here. The session's
+:meth:`~hf_xla_fsdp.session.CheckpointManager.save_pretrained` is the one save-then-consolidate path of the
+Trainer and accelerate glue.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch import nn
 
 from ..errors import CheckpointError, ConfigError
 from ..settings import parse_dtype
@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
               "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
               "chat_template.json", "generation_config.json", "preprocessor_config.json")
+
+
 @dataclass
 class OutputTensor:
     """One tensor of the consolidated model and where its elements live in the rank files."""
@@ -346,54 +348,7 @@ def _consolidate_to_url(ckpt: Union[str, os.PathLike], output: str, *, overwrite
     return {**summary, "output": output}
 
 
-# --------------------------------------------------------------------------- save, then consolidate
-def save_consolidated(
-    model: nn.Module,
-    output: Union[str, os.PathLike],
-    plugin: Any = None,
-    *,
-    is_main: bool,
-    step: int = 0,
-    extra: Optional[dict[str, Any]] = None,
-    barrier: Optional[Callable[[str], None]] = None,
-    add_files: Optional[Callable[[Path], None]] = None,
-    write: Optional[Callable[[Path, Path], Any]] = None,
-    dtype: Optional[str] = None,
-    max_shard_size: Union[int, str, None] = None,
-    progress: bool = True,
-) -> Path:
-    """A ``from_pretrained``-ready model in ``output`` from a wrapped model: every rank saves its shard, then
-    the main process streams the shards into safetensors merged into ``output``.
-
-    ``output`` may already hold other things (``checkpoint-*`` directories, logs): they stay; weight
-    files of an earlier save are replaced as a whole. ``add_files(dir)`` adds side files (config,
-    tokenizer, ...) next to the shards before consolidation, which copies them. ``write(ckpt, output)``
-    replaces the consolidation (e.g. adapter files of a PEFT model). ``dtype`` and
-    ``max_shard_size`` default to the plugin's ``consolidate_dtype`` / ``consolidate_max_shard_size``.
-    Call it on every rank.
-    """
-    from .save import save_checkpoint
-
-    output = Path(output)
-    shards = output.parent / f".{output.name}.sharded-{step}"  # the same name on every rank, no coordination
-    save_checkpoint(shards, model, step=step, plugin=plugin, extra=extra, barrier=barrier)
-    if is_main:
-        try:
-            if add_files is not None:
-                add_files(shards)
-            if write is not None:
-                write(shards, output)
-            else:
-                consolidate_into(shards, output, dtype=dtype or getattr(plugin, "consolidate_dtype", "auto"),
-                                 max_shard_size=max_shard_size or getattr(plugin, "consolidate_max_shard_size", "5GB"),
-                                 progress=progress)
-        finally:
-            shutil.rmtree(shards, ignore_errors=True)
-    if barrier is not None:
-        barrier("hf_xla_fsdp.save_consolidated.done")
-    return output
-
-
+# --------------------------------------------------------------------------- into an existing directory
 def consolidate_into(ckpt: Path, output: Path, *, dtype: str = "auto", max_shard_size: Union[int, str] = "5GB",
                      progress: bool = True, plan_transform: Optional[Callable[[RankSet, list[Any]], list[Any]]] = None,
                      ) -> None:

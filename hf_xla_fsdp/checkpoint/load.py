@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from .codec import CheckpointCodec, codec_of
 from .layout import COMPLETE_MARKER, RNG_CPU, rank_file_stem, read_marker
 from .readers import LAYOUT_FLAT, LAYOUT_PIECES, RankFile, check_present, marker_layout, open_own
 from .state import restore_rng
@@ -17,8 +18,8 @@ from .state import restore_rng
 _LAYOUT_TITLES = {LAYOUT_FLAT: "FSDP v1", LAYOUT_PIECES: "FSDP v2 (SPMD)"}
 
 
-def _restore_rng_from(f: RankFile) -> None:
-    restore_rng(f.meta, f.get(RNG_CPU) if RNG_CPU in f.names() else None)
+def _restore_rng_from(f: RankFile, codec: CheckpointCodec) -> None:
+    restore_rng(f.meta, f.get(RNG_CPU) if RNG_CPU in f.names() else None, codec.set_rng_state)
 
 
 def load_checkpoint(
@@ -35,11 +36,10 @@ def load_checkpoint(
     only what this rank needs. Returns ``step``, ``extra``, ``run_id``, ``saved_world_size`` (and
     what the engine adds, e.g. ``saved_devices``).
     """
-    from ..engines import engine_of
     from .background import wait_for_pending_save
 
     wait_for_pending_save()  # a save still being written in the background (maybe this one) ends first
-    engine = engine_of(model)
+    engine = codec_of(model)
     rank, world = engine.rank_world(model)
     fetched, ckpt_dir, marker = _located(ckpt_dir, lambda m: _needed(m, engine.checkpoint_layout, rank, world))
     saved = marker_layout(ckpt_dir, marker)
@@ -53,7 +53,7 @@ def load_checkpoint(
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     if restore_rng:
-        _restore_rng_from(restored.rng_file)
+        _restore_rng_from(restored.rng_file, engine)
     return {"step": meta.get("step", 0), "extra": meta.get("extra", {}), "run_id": meta.get("run_id"),
             **restored.info}
 
@@ -63,11 +63,11 @@ def restore_rng_state(ckpt_dir: Union[str, Path], model: nn.Module) -> None:
 
     After a world-size change rank r takes the state of saved rank ``r % saved_world_size``.
     """
-    from ..engines import engine_of
     from .background import wait_for_pending_save
 
     wait_for_pending_save()
-    rank, _ = engine_of(model).rank_world(model)
+    codec = codec_of(model)
+    rank, _ = codec.rank_world(model)
 
     def own(marker: dict[str, Any]) -> list[str]:
         world = int(marker["world_size"])
@@ -75,7 +75,7 @@ def restore_rng_state(ckpt_dir: Union[str, Path], model: nn.Module) -> None:
 
     fetched, ckpt_dir, marker = _located(ckpt_dir, own)
     saved_world = int(marker["world_size"])
-    _restore_rng_from(open_own(ckpt_dir, marker, rank % saved_world, saved_world))
+    _restore_rng_from(open_own(ckpt_dir, marker, rank % saved_world, saved_world), codec)
     del fetched
 
 

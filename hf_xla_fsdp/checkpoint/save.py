@@ -12,7 +12,6 @@ background thread (:mod:`.background`).
 
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
 import json
@@ -26,6 +25,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .checksums import default_algorithm, table_digest
+from .codec import CheckpointCodec, Collectives, codec_of
 from .layout import (
     COMPLETE_MARKER,
     FORMAT,
@@ -39,24 +39,29 @@ from .layout import (
 from .readers import LAYOUT_FLAT
 from .safetensors_io import write_safetensors_streaming
 from .state import rng_meta
-from .storage import LocalStorage, Storage, host_id, is_url, local_path, open_storage, remove_stale
+from .storage import (
+    SaveRound,
+    Storage,
+    first_line,
+    host_groups,
+    host_id,
+    is_url,
+    local_path,
+    open_storage,
+    remove_stale,
+    together,
+)
 
 
 def rank_world(model: nn.Module) -> tuple[int, int]:
     """``(rank, world size)`` in rank files: FSDP v1 ranks, or SPMD processes for FSDP v2."""
-    from ..engines import engine_of
-
-    return engine_of(model).rank_world(model)
+    return codec_of(model).rank_world(model)
 
 
-def _model_meta(model: nn.Module) -> dict[str, Any]:
+def _model_meta(model: nn.Module, codec: CheckpointCodec) -> dict[str, Any]:
     """The transformers config of the model inside the wrappers (under adapters, the base model's) and, for a
     PEFT model, every adapter's peft config (so the checkpoint can become adapter files on its own)."""
-    import json
-
-    from ..engines import unwrap
-
-    inner = unwrap(model)
+    inner = codec.unwrap(model)
     out: dict[str, Any] = {"model_config": None}
     adapters = getattr(inner, "peft_config", None)
     if adapters is not None and hasattr(inner, "get_base_model"):  # a peft.PeftModel (peft itself is not imported)
@@ -109,18 +114,15 @@ def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], sche
               run_id: Optional[str], plugin: Any, extra: Optional[dict[str, Any]], to_host: bool) -> _Snapshot:
     """The rank's state; with ``to_host`` every tensor is copied to host memory now (for a background write),
     otherwise each is fetched from the device when written (one at a time: bounded host memory)."""
-    from ..engines import engine_of
-    from ..runtime import sync
-
-    engine = engine_of(model)
-    rank, world = engine.rank_world(model)
-    sync()  # pending updates land before reading values
-    state = engine.rank_state(model, optimizer)
+    codec = codec_of(model)
+    rank, world = codec.rank_world(model)
+    codec.sync()  # pending updates land before reading values
+    state = codec.rank_state(model, optimizer)
     cpu_rng = torch.get_rng_state()
     specs = [*state.specs, (RNG_CPU, tuple(cpu_rng.shape), cpu_rng.dtype)]
     meta = {"rank": rank, "world_size": world, "run_id": run_id, "step": int(step), **state.meta,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": rng_meta(), **_model_meta(model),
+            "rng": rng_meta(codec.rng_state()), **_model_meta(model, codec),
             "plugin": plugin.to_dict() if plugin is not None else None,
             "extra": extra or {}}
     try:
@@ -213,14 +215,6 @@ def build_marker(ckpt_dir: Union[str, Path], world_size: int, reports: list[dict
     return marker
 
 
-def host_groups(reports: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """The ranks of each host, hosts in the order of their first rank (host 0 holds rank 0)."""
-    groups: dict[str, list[int]] = {}
-    for report in sorted(reports, key=lambda r: r["rank"]):
-        groups.setdefault(str(report.get("host", "")), []).append(report["rank"])
-    return groups
-
-
 def mark_complete(ckpt_dir: Union[str, Path], world_size: int,
                   reports: Optional[list[dict[str, Any]]] = None) -> Path:
     """Rank 0 of a shared-storage save, after every rank wrote its files: the completion marker in the staging dir.
@@ -251,21 +245,6 @@ def commit_checkpoint(ckpt_dir: Union[str, Path], world_size: int, *, marked: bo
         mark_complete(ckpt_dir, world_size)
     publish(stage, ckpt_dir)
     return ckpt_dir
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
-def _together(ckpt_dir: Path, what: str, call: Callable[[], Any]) -> Any:
-    """A barrier or gather of the save; whatever it raises (a timeout, a lost peer) becomes one line."""
-    try:
-        return call()
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise CheckpointError(f"the save of {ckpt_dir} {what}: {_first_line(err)}") from None
 
 
 def save_checkpoint(
@@ -316,28 +295,29 @@ def save_checkpoint(
     store = open_storage(ckpt_dir, storage)  # a bad mode or a URL without its driver: one line, before any write
     ckpt_dir = str(ckpt_dir) if is_url(ckpt_dir) else local_path(ckpt_dir)  # file:// is a plain path
     background.wait_for_pending_save()  # one save in flight at most, and an earlier failure is raised here
-    rank, world = rank_world(model)
+    codec = codec_of(model)
+    rank, world = codec.rank_world(model)
 
     def take(to_host: bool) -> _Snapshot:
         return _snapshot(model, optimizer, scheduler, step=step, run_id=run_id, plugin=plugin, extra=extra,
                          to_host=to_host)
 
     if not async_save:
-        _write_and_commit(store, rank, world, lambda: take(False), barrier=barrier, gather=gather,
-                          before_commit=before_commit)
+        meet = codec.collectives()
+        _write_and_commit(store, rank, world, lambda: take(False), Collectives(barrier or meet.barrier,
+                                                                              gather or meet.gather), before_commit)
         if after_commit is not None:
             after_commit(ckpt_dir)
         return ckpt_dir
     if world > 1 and (gather is None or barrier is None):
-        from ..runtime import thread_safe_collectives
-
-        safe = thread_safe_collectives()
+        safe = codec.collectives(thread_safe=True)
         if safe is None:
             raise CheckpointError(f"async_save with {world} processes needs torch.distributed for its background "
                                   "commit (XLA collectives must stay on the training thread): call torch.distributed."
                                   "init_process_group('gloo', init_method='xla://') before training, or save "
                                   "synchronously")
-        barrier, gather = barrier or safe[0], gather or safe[1]
+        barrier, gather = barrier or safe.barrier, gather or safe.gather
+    meet = Collectives(barrier or (lambda tag: None), gather or (lambda tag, payload: [payload]))
     try:
         snap = take(True)
         snapshot: Callable[[], _Snapshot] = lambda: snap  # noqa: E731
@@ -345,8 +325,7 @@ def save_checkpoint(
         if world == 1:
             raise
         snapshot = functools.partial(_reraise, err)  # the other ranks hear of it through the report, as for a write
-    background.start(ckpt_dir, lambda: _write_and_commit(store, rank, world, snapshot, barrier=barrier,
-                                                         gather=gather, before_commit=before_commit), after_commit)
+    background.start(ckpt_dir, lambda: _write_and_commit(store, rank, world, snapshot, meet, before_commit), after_commit)
     return ckpt_dir
 
 
@@ -354,18 +333,13 @@ def _reraise(err: BaseException) -> _Snapshot:
     raise err
 
 
-def _write_and_commit(store: Storage, rank: int, world: int, snapshot: Callable[[], _Snapshot], *,
-                      barrier: Optional[Callable[[str], None]], gather: Optional[Callable[[str, bytes], list[bytes]]],
+def _write_and_commit(store: Storage, rank: int, world: int, snapshot: Callable[[], _Snapshot], meet: Collectives,
                       before_commit: Optional[Callable[[Path], None]]) -> None:
     """The rank's files, the reports gathered to rank 0, its marker and publication, and the final barrier.
 
-    One protocol for every storage mode; ``store`` says where files go and what commits them."""
-    from ..runtime import default_barrier, default_gather
-
-    barrier = barrier or default_barrier
-    gather = gather or default_gather
+    One protocol for every storage mode; ``store`` says where files go, what commits them and what else the
+    ranks do around the commit (its hooks)."""
     shown = store.display
-    host = host_id()
     failure: Optional[BaseException] = None
     try:
         try:
@@ -373,14 +347,14 @@ def _write_and_commit(store: Storage, rank: int, world: int, snapshot: Callable[
             tensor_path, report = _write_rank_files(store.write_dir(), snapshot())
             store.written([tensor_path, tensor_path.with_suffix(".json")])
         except Exception as err:  # the others hear about it: nobody waits for files that will not come
-            failure, report = err, {"rank": rank, "world_size": world, "error": _first_line(err)}
-        report.update(host=host, storage=store.mode)
-        payloads = _together(shown, "did not complete (ranks lost while reporting their files)",
-                             lambda: gather("hf_xla_fsdp.save.reports", json.dumps(report).encode()))
+            failure, report = err, {"rank": rank, "world_size": world, "error": first_line(err)}
+        report.update(host=host_id(), storage=store.mode)
+        payloads = together(shown, "did not complete (ranks lost while reporting their files)",
+                             lambda: meet.gather("hf_xla_fsdp.save.reports", json.dumps(report).encode()))
         reports = [json.loads(p) for p in payloads]
-        hosts = host_groups(reports)
-        # who cleans up after a failure, and writes a host marker: rank 0, and on per-host disks each host's first rank
-        owner = rank == 0 or (store.mode == "local" and hosts.get(host, [rank])[0] == rank)
+        rnd = SaveRound(rank, world, host_id(), reports, meet.gather,
+                        marker=lambda: build_marker(shown, world, reports, store.mode))
+        owner = store.owns(rnd)  # who cleans up after a failure (and, on per-host disks, writes a host marker)
         failed = sorted((r for r in reports if "error" in r), key=lambda r: r["rank"])
         if failed:
             if owner:  # every rank has stopped writing into it
@@ -396,95 +370,21 @@ def _write_and_commit(store: Storage, rank: int, world: int, snapshot: Callable[
             odd = ", ".join(f"rank {r['rank']}: {r['storage']}" for r in reports if r["storage"] != reports[0]["storage"])
             raise CheckpointError(f"the save of {shown} mixes storage modes across ranks ({odd}; rank 0: "
                                   f"{reports[0]['storage']}): set checkpoint_storage explicitly")
-        if isinstance(store, LocalStorage):
-            _commit_hosts(store, rank, world, reports, hosts, host, owner, gather)
+        store.prepare_commit(rnd)
         committed = False
         try:
             if rank == 0:
                 try:
                     store.check_reports(reports)
-                    store.commit(build_marker(shown, world, reports, store.mode), before_commit)
+                    store.commit(rnd.marker(), before_commit)
                 except (OSError, CheckpointError) as err:  # e.g. no space for the marker: nothing half-published
                     store.abort()  # gone already if it was published
-                    raise CheckpointError(f"the save of {shown} failed on rank 0: {_first_line(err)} "
+                    raise CheckpointError(f"the save of {shown} failed on rank 0: {first_line(err)} "
                                           "(nothing was published; earlier checkpoints are untouched)") from None
             committed = True
         finally:  # the other ranks are released even if the commit failed (rank 0 raises it)
-            if isinstance(store, LocalStorage):
-                _copy_marker_to_hosts(store, rank, world, reports, owner, committed=committed, gather=gather)
-            _together(shown, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
-                      lambda: barrier("hf_xla_fsdp.save.committed"))
+            store.finish_commit(rnd, committed=committed)
+            together(shown, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
+                      lambda: meet.barrier("hf_xla_fsdp.save.committed"))
     finally:
         store.close()
-
-
-def _commit_hosts(store: LocalStorage, rank: int, world: int, reports: list[dict[str, Any]],
-                  hosts: dict[str, list[int]], host: str, owner: bool, gather: Callable[[str, bytes], list[bytes]]) -> None:
-    """Per-host disks: each host's first rank writes its host marker (the ranks and files it holds); every rank
-    hears whether all did before rank 0 commits."""
-    error = None
-    if owner:
-        index = list(hosts).index(host)
-        mine = [r for r in sorted(reports, key=lambda r: r["rank"]) if r["rank"] in hosts[host]]
-        data = {"format": FORMAT, "host": host, "host_index": index, "hosts": len(hosts), "world_size": world,
-                "step": reports[0]["step"], "run_id": reports[0]["run_id"], "ranks": hosts[host],
-                "files": {r["file"]: r["entry"] for r in mine}}
-        try:
-            store.write_host_marker(index, data)
-        except OSError as err:
-            error = _first_line(err)
-    statuses = [json.loads(p) for p in _together(
-        store.display, "did not complete (ranks lost while writing the host markers)",
-        lambda: gather("hf_xla_fsdp.save.hosts", json.dumps({"rank": rank, "error": error}).encode()))]
-    bad = [s for s in statuses if s.get("error")]
-    if bad:
-        if owner:
-            store.abort()
-        raise CheckpointError(f"the save of {store.display} failed on rank {bad[0]['rank']} writing its host marker: "
-                              f"{bad[0]['error']} (nothing was published; earlier checkpoints are untouched)")
-
-
-#: side files of a local-mode checkpoint sent to the other hosts with the marker copy (larger ones, e.g. a
-#: consolidated copy of the model, reach them only through ``hf-xla-fsdp gather``)
-SIDE_FILE_LIMIT = 64 << 20
-
-
-def _side_files(store: LocalStorage) -> dict[str, str]:
-    """The small files rank 0 added beside the rank files (``before_commit``), base64 by name."""
-    out: dict[str, str] = {}
-    total = 0
-    for path in sorted(store.ckpt.iterdir()):
-        name = path.name
-        if not path.is_file() or name.startswith((".", "rank-", "checkpoint_host-")) or name == COMPLETE_MARKER:
-            continue
-        size = path.stat().st_size
-        if total + size > SIDE_FILE_LIMIT:
-            continue
-        total += size
-        out[name] = base64.b64encode(path.read_bytes()).decode()
-    return out
-
-
-def _copy_marker_to_hosts(store: LocalStorage, rank: int, world: int, reports: list[dict[str, Any]], owner: bool, *,
-                          committed: bool, gather: Callable[[str, bytes], list[bytes]]) -> None:
-    """Per-host disks, after rank 0's commit: every other host gets a copy of the global marker, so a resume on that
-    host (which reads only its own disk) finds it. Rank 0's marker is the commit point; a host killed before its copy
-    has a complete host marker but no copy, and is resumed from an earlier checkpoint or after gathering."""
-    status = {"ok": committed, "side_files": _side_files(store) if committed else {}} if rank == 0 else {}
-    statuses = [json.loads(p) for p in _together(
-        store.display, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
-        lambda: gather("hf_xla_fsdp.save.marked", json.dumps(status).encode()))]
-    committed = statuses[0].get("ok", False)
-    if not committed:
-        if owner and rank != 0:
-            store.abort()
-        if rank != 0:
-            raise CheckpointError(f"the save of {store.display} failed on rank 0 while committing (nothing was "
-                                  "published; earlier checkpoints are untouched)")
-        return
-    if owner and rank != 0:
-        # rank 0's side files (a Trainer's trainer_state.json, config, tokenizer) first: a resume on this host
-        # reads them from its own disk, and the marker copy comes last
-        for name, data in statuses[0].get("side_files", {}).items():
-            write_bytes_atomic(store.ckpt / name, base64.b64decode(data))
-        store.copy_marker(build_marker(store.display, world, reports, store.mode))

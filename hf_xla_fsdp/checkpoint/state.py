@@ -1,6 +1,6 @@
 """The parts of a rank's state every engine saves the same way: optimizer metadata, RNG states.
 
-Engines call these from ``rank_state`` / ``restore``; the XLA RNG goes through :mod:`hf_xla_fsdp.runtime`.
+Engines call these from ``rank_state`` / ``restore``; the device (XLA) RNG state is the engine's, passed in.
 """
 
 from __future__ import annotations
@@ -87,26 +87,23 @@ def optimizer_tensor_key(name: str) -> Optional[tuple[int, str]]:
 
 
 # --------------------------------------------------------------------------- RNG
-def rng_meta() -> dict[str, Any]:
-    """Python, NumPy and XLA RNG states as JSON (the torch CPU state is a tensor of the rank file)."""
+def rng_meta(device_state: Any) -> dict[str, Any]:
+    """Python, NumPy and the device's (XLA) RNG states as JSON (the torch CPU state is a tensor of the rank file)."""
     import numpy as np
-
-    from ..runtime import get_xla_rng_state
 
     np_state = np.random.get_state()
     py = random.getstate()
     return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "xla": get_xla_rng_state(),
+        "xla": device_state,
     }
 
 
-def restore_rng(meta: dict[str, Any], cpu_state: Optional[torch.Tensor]) -> None:
-    """Restore what :func:`rng_meta` recorded, and the torch CPU state when given."""
+def restore_rng(meta: dict[str, Any], cpu_state: Optional[torch.Tensor], set_device_state: Callable[[Any], None]) -> None:
+    """Restore what :func:`rng_meta` recorded (the device state through ``set_device_state``), and the torch CPU
+    state when given."""
     import numpy as np
-
-    from ..runtime import set_xla_rng_state
 
     rng = meta.get("rng") or {}
     if "python" in rng:
@@ -116,6 +113,6 @@ def restore_rng(meta: dict[str, Any], cpu_state: Optional[torch.Tensor]) -> None
         name, keys, pos, has_gauss, cached = rng["numpy"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "xla" in rng:
-        set_xla_rng_state(rng["xla"])
+        set_device_state(rng["xla"])
     if cpu_state is not None:
         torch.set_rng_state(cpu_state)

@@ -18,16 +18,18 @@ per-host disk looks like any local directory). :func:`open_storage` gives the ba
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
 import socket
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..errors import CheckpointError
-from .layout import COMPLETE_MARKER, fsync_dir, publish, staging_dir, write_bytes_atomic
+from .layout import COMPLETE_MARKER, FORMAT, fsync_dir, publish, staging_dir, write_bytes_atomic
 
 STORAGE_MODES = ("auto", "shared", "local", "object")
 HOST_ENV = "HF_XLA_FSDP_HOST"  # overrides the host name as a rank's host identity (simulated hosts in tests)
@@ -137,6 +139,50 @@ def resolve_mode(path: Union[str, os.PathLike], mode: str = "auto") -> str:
     return "object" if mount_type(local_path(path)) in _FUSE_TYPES else "shared"
 
 
+# --------------------------------------------------------------------------- one save, as the backends see it
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def together(ckpt_dir: Union[str, Path], what: str, call: Callable[[], Any]) -> Any:
+    """A barrier or gather of the save; whatever it raises (a timeout, a lost peer) becomes one line."""
+    try:
+        return call()
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"the save of {ckpt_dir} {what}: {first_line(err)}") from None
+
+
+def host_groups(reports: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """The ranks of each host, hosts in the order of their first rank (host 0 holds rank 0)."""
+    groups: dict[str, list[int]] = {}
+    for report in sorted(reports, key=lambda r: r["rank"]):
+        groups.setdefault(str(report.get("host", "")), []).append(report["rank"])
+    return groups
+
+
+@dataclass
+class SaveRound:
+    """One save as a rank sees it once every rank's report is in: what the storage hooks work with."""
+
+    rank: int
+    world: int
+    host: str
+    reports: list[dict[str, Any]]
+    #: every rank's payload on every rank (the save's collective)
+    gather: Callable[[str, bytes], list[bytes]]
+    #: the completion marker, built from the reports
+    marker: Callable[[], dict[str, Any]]
+
+    @property
+    def hosts(self) -> dict[str, list[int]]:
+        """The ranks of each host (see :func:`host_groups`)."""
+        return host_groups(self.reports)
+
+
 # --------------------------------------------------------------------------- the backends
 def _marker_storage(marker: dict[str, Any]) -> str:
     return marker.get("storage", "shared")  # markers of earlier versions: shared, by rename
@@ -182,6 +228,16 @@ class Storage:
 
     def written(self, paths: list[Path]) -> None:
         """This rank's files are complete in :meth:`write_dir` (remote storage uploads them here)."""
+
+    def owns(self, rnd: SaveRound) -> bool:
+        """Whether this rank removes what a failed save left (and writes the markers it owns)."""
+        return rnd.rank == 0
+
+    def prepare_commit(self, rnd: SaveRound) -> None:
+        """Every rank, once every rank's files are written and before rank 0 commits."""
+
+    def finish_commit(self, rnd: SaveRound, committed: bool) -> None:
+        """Every rank, after rank 0's commit (``committed``: on rank 0, whether it succeeded)."""
 
     def check_reports(self, reports: list[dict[str, Any]]) -> None:
         """Rank 0, before marking: every reported file is in its directory (ranks of a pod on per-host disks
@@ -268,15 +324,22 @@ class InPlaceStorage(Storage):
 
 class LocalStorage(InPlaceStorage):
     """Per-host disks: every host has its own directory of the same name; each host's first process writes a
-    host marker (the ranks it holds), rank 0 the global marker, and then every host gets a copy of it."""
+    host marker (the ranks it holds), rank 0 the global marker, and then every host gets a copy of it (with rank
+    0's small side files, so a resume on any host reads them from its own disk)."""
 
     mode = "local"
+    #: side files sent to the other hosts with the marker copy (larger ones, e.g. a consolidated copy of the model,
+    #: reach them only through ``hf-xla-fsdp gather``)
+    side_file_limit = 64 << 20
 
     def begin(self) -> None:
         super().begin()
         if self.ckpt.is_dir():
             for old in self.ckpt.glob("checkpoint_host-*.json"):
                 old.unlink(missing_ok=True)
+
+    def owns(self, rnd: SaveRound) -> bool:
+        return rnd.rank == 0 or rnd.hosts.get(rnd.host, [rnd.rank])[0] == rnd.rank  # each host's first rank
 
     def write_host_marker(self, index: int, data: dict[str, Any]) -> None:
         """This host's marker: the ranks and files it holds."""
@@ -286,6 +349,68 @@ class LocalStorage(InPlaceStorage):
         """A host other than rank 0's, once rank 0 committed: the global marker, so resume finds it here."""
         write_bytes_atomic(self.ckpt / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
         self.clean(marker)
+
+    def prepare_commit(self, rnd: SaveRound) -> None:
+        """Each host's first rank writes its host marker (the ranks and files it holds); every rank hears whether
+        all did before rank 0 commits."""
+        error = None
+        if self.owns(rnd):
+            hosts = rnd.hosts
+            mine = [r for r in sorted(rnd.reports, key=lambda r: r["rank"]) if r["rank"] in hosts[rnd.host]]
+            data = {"format": FORMAT, "host": rnd.host, "host_index": list(hosts).index(rnd.host), "hosts": len(hosts),
+                    "world_size": rnd.world, "step": rnd.reports[0]["step"], "run_id": rnd.reports[0]["run_id"],
+                    "ranks": hosts[rnd.host], "files": {r["file"]: r["entry"] for r in mine}}
+            try:
+                self.write_host_marker(data["host_index"], data)
+            except OSError as err:
+                error = first_line(err)
+        statuses = [json.loads(p) for p in together(
+            self.display, "did not complete (ranks lost while writing the host markers)",
+            lambda: rnd.gather("hf_xla_fsdp.save.hosts", json.dumps({"rank": rnd.rank, "error": error}).encode()))]
+        bad = [s for s in statuses if s.get("error")]
+        if bad:
+            if self.owns(rnd):
+                self.abort()
+            raise CheckpointError(f"the save of {self.display} failed on rank {bad[0]['rank']} writing its host marker: "
+                                  f"{bad[0]['error']} (nothing was published; earlier checkpoints are untouched)")
+
+    def _side_files(self) -> dict[str, str]:
+        """The small files rank 0 added beside the rank files (``before_commit``), base64 by name."""
+        out: dict[str, str] = {}
+        total = 0
+        for path in sorted(self.ckpt.iterdir()):
+            name = path.name
+            if not path.is_file() or name.startswith((".", "rank-", "checkpoint_host-")) or name == COMPLETE_MARKER:
+                continue
+            size = path.stat().st_size
+            if total + size > self.side_file_limit:
+                continue
+            total += size
+            out[name] = base64.b64encode(path.read_bytes()).decode()
+        return out
+
+    def finish_commit(self, rnd: SaveRound, committed: bool) -> None:
+        """After rank 0's commit, every other host gets a copy of the global marker, so a resume on that host
+        (which reads only its own disk) finds it. Rank 0's marker is the commit point; a host killed before its copy
+        has a complete host marker but no copy, and is resumed from an earlier checkpoint or after gathering."""
+        status = {"ok": committed, "side_files": self._side_files() if committed else {}} if rnd.rank == 0 else {}
+        statuses = [json.loads(p) for p in together(
+            self.display, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
+            lambda: rnd.gather("hf_xla_fsdp.save.marked", json.dumps(status).encode()))]
+        owner = self.owns(rnd)
+        if not statuses[0].get("ok", False):
+            if owner and rnd.rank != 0:
+                self.abort()
+            if rnd.rank != 0:
+                raise CheckpointError(f"the save of {self.display} failed on rank 0 while committing (nothing was "
+                                      "published; earlier checkpoints are untouched)")
+            return
+        if owner and rnd.rank != 0:
+            # rank 0's side files (a Trainer's trainer_state.json, config, tokenizer) first: a resume on this host
+            # reads them from its own disk, and the marker copy comes last
+            for name, data in statuses[0].get("side_files", {}).items():
+                write_bytes_atomic(self.ckpt / name, base64.b64decode(data))
+            self.copy_marker(rnd.marker())
 
 
 class RemoteStorage(Storage):

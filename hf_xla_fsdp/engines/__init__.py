@@ -1,18 +1,21 @@
-"""The FSDP engines behind one seam: :class:`~.base.Engine`, chosen once.
+"""The FSDP engines behind one seam: :class:`~.base.Engine`, chosen once per session.
 
-``engine_for(plugin)`` picks the engine a plugin configures (``version``), ``engine_of(model)``
-the engine that wrapped a model. Only this package knows which engine runs; a third engine is a
-new module here and one line in ``ENGINES``. Importing this package does not import torch_xla.
+``engine_for(plugin)`` picks the engine a plugin configures (``version``); the session calls it once and
+passes the engine on. ``engine_of(model)`` is the engine that wrapped a model: every unit an engine makes
+carries it (``checkpoint.codec.CODEC_ATTR``). Only this package knows which engine runs; a third engine
+is a new module here, one line in ``ENGINES`` and one entry in the plugin's ``version`` choices. Importing
+this package does not import torch_xla.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from torch import nn
 
+from ..checkpoint.codec import CODEC_ATTR, RankState, Restored
 from ..errors import ConfigError
-from .base import Engine, RankState, Restored
+from .base import Engine
 from .v1 import XlaFsdpV1
 from .v2 import XlaFsdpV2
 
@@ -22,17 +25,13 @@ if TYPE_CHECKING:
 ENGINES: dict[int, Engine] = {engine.version: engine for engine in (XlaFsdpV1(), XlaFsdpV2())}
 
 
-def engine_versions() -> str:
-    """``"1 (FSDP v1 ...), 2 (FSDP v2 ...)"``: the allowed ``version`` values, for messages."""
-    return ", ".join(f"{v} = {e.title}" for v, e in sorted(ENGINES.items()))
-
-
 def engine_for(plugin: "XlaFsdpPlugin") -> Engine:
-    """The engine ``plugin.version`` selects."""
+    """The engine ``plugin.version`` selects (the plugin has validated the version already)."""
     try:
         return ENGINES[plugin.version]
     except KeyError:
-        raise ConfigError(f"version={plugin.version!r} is not valid; allowed values: {engine_versions()}") from None
+        raise ConfigError(f"version={plugin.version!r} is not valid; allowed values: "
+                          + ", ".join(f"{v} = {e.title}" for v, e in sorted(ENGINES.items()))) from None
 
 
 def unit_classes() -> tuple[type, ...]:
@@ -40,8 +39,11 @@ def unit_classes() -> tuple[type, ...]:
     return tuple(engine.unit_class() for engine in ENGINES.values())
 
 
-def _engine_of_unit(module: nn.Module) -> Engine | None:
-    for engine in ENGINES.values():
+def _engine_of_unit(module: nn.Module) -> Optional[Engine]:
+    tagged = module.__dict__.get(CODEC_ATTR)
+    if tagged is not None:
+        return tagged
+    for engine in ENGINES.values():  # a unit made outside this package (e.g. plain XlaFullyShardedDataParallel)
         if isinstance(module, engine.unit_class()):
             return engine
     return None
@@ -59,6 +61,8 @@ def engine_of(model: nn.Module) -> Engine:
 
 def is_wrapped(model: nn.Module) -> bool:
     """True when ``model`` or any submodule is already an XLA FSDP unit (any engine)."""
+    if any(CODEC_ATTR in m.__dict__ for m in model.modules()):
+        return True
     try:
         classes = unit_classes()
     except ImportError:
@@ -82,5 +86,5 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["ENGINES", "Engine", "RankState", "Restored", "engine_for", "engine_of", "engine_versions", "fsdp_units",
-           "is_wrapped", "unit_classes", "unwrap"]
+__all__ = ["ENGINES", "Engine", "RankState", "Restored", "engine_for", "engine_of", "fsdp_units", "is_wrapped",
+           "unit_classes", "unwrap"]

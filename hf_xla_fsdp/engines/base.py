@@ -8,17 +8,17 @@ tests which engine runs. torch_xla is imported inside methods only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
 
+from ..checkpoint.codec import Collectives, RankState, Restored, tag
+
 if TYPE_CHECKING:
-    from ..checkpoint.readers import RankFile
     from ..plugin import XlaFsdpPlugin
 
-TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
+__all__ = ["Engine", "RankState", "Restored", "host_copies", "host_copy"]
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,35 +59,12 @@ def host_copies(tensors: Sequence[torch.Tensor], group_bytes: int = TRANSFER_GRO
     return out
 
 
-@dataclass
-class RankState:
-    """What one rank writes: tensor specs in file order, a producer for each (one at a time), JSON metadata.
-
-    ``produce`` returns a fresh host tensor (:func:`host_copy`), so a save may keep it while training goes on.
-    """
-
-    specs: list[TensorSpec]
-    produce: Callable[[str], torch.Tensor]
-    meta: dict[str, Any] = field(default_factory=dict)
-    #: every named tensor at once (same contract as ``produce``), when the engine can batch the transfer
-    produce_many: Optional[Callable[[list[str]], list[torch.Tensor]]] = None
-
-    def host_tensors(self, names: list[str]) -> list[torch.Tensor]:
-        """Fresh host copies of ``names``, batched when the engine can."""
-        return self.produce_many(names) if self.produce_many is not None else [self.produce(n) for n in names]
-
-
-@dataclass
-class Restored:
-    """What an engine restored from a checkpoint: the metadata to resume from and the file holding this rank's RNG."""
-
-    meta: dict[str, Any]
-    rng_file: "RankFile"
-    info: dict[str, Any] = field(default_factory=dict)  # saved_world_size, ... (returned to the caller)
-
-
 class Engine:
-    """What an FSDP engine does; the library's one seam between its two engines (and any later one)."""
+    """What an FSDP engine does; the library's one seam between its two engines (and any later one).
+
+    It is also the :class:`~hf_xla_fsdp.checkpoint.codec.CheckpointCodec` of the models it wraps: every unit it
+    makes is tagged with it, so checkpoints find it without importing this package.
+    """
 
     #: ``plugin.version`` that selects this engine
     version: int = 0
@@ -100,19 +77,18 @@ class Engine:
     #: one process drives every device (SPMD) instead of one process per device
     spmd: bool = False
 
-    # ----------------------------------------------------------------- settings and runtime
-    def check_settings(self, plugin: "XlaFsdpPlugin") -> None:
-        """Refuse settings this engine cannot honour (called when the plugin is validated)."""
-
-    def check_launch(self, distributed_type: str, source: str) -> None:
-        """Refuse an accelerate ``distributed_type`` this engine cannot run under."""
-
-    def setup_runtime(self, plugin: "XlaFsdpPlugin") -> None:
-        """Prepare the XLA runtime before any XLA tensor exists (idempotent)."""
+    # ----------------------------------------------------------------- runtime
+    def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
+        """Prepare the XLA runtime before any XLA tensor exists (idempotent); ``what`` names whoever may have used
+        the device first, for the message when it is too late."""
 
     def runtime_ready(self, counted_processes: int) -> bool:
         """False when the process layout was fixed before :meth:`setup_runtime` could run (e.g. SPMD too late)."""
         return True
+
+    def runtime_too_late(self, what: str) -> str:
+        """The one line a script needs when :meth:`runtime_ready` is False (``what`` used the device first)."""
+        return f"{what} started the XLA runtime before {self.title} could set it up"
 
     # ----------------------------------------------------------------- wrapping
     def unit_class(self) -> type:
@@ -120,16 +96,27 @@ class Engine:
         raise NotImplementedError
 
     def inner_wrappers(self) -> tuple[type, ...]:
-        """Wrapper classes between a unit and the user's module (removed by ``unwrap``)."""
+        """Wrapper classes between a unit and the user's module (removed by :meth:`unwrap`)."""
         return ()
 
     def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
         """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``."""
-        raise NotImplementedError
+        block = self.checkpoint_block(block, plugin)
+        return tag(self.make_unit(block, plugin), self) if nested else block
 
     def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         """The outer FSDP unit: shards every parameter no inner unit owns."""
+        if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
+            model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
+        return tag(self.make_root(model, plugin), self)
+
+    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        """One FSDP unit around ``block``."""
         raise NotImplementedError
+
+    def make_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        """The root FSDP unit around ``model`` (its blocks may be units already)."""
+        return self.make_unit(model, plugin)
 
     def checkpoint_block(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         """``checkpoint_module(block)`` when the plugin asks for activation checkpointing."""
@@ -139,9 +126,20 @@ class Engine:
 
         return checkpoint_module(block)
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside FSDP units (and their inner wrappers), or ``model``."""
+        classes = (self.unit_class(), *self.inner_wrappers())
+        while isinstance(model, classes):
+            model = model.module
+        return model
+
     # ----------------------------------------------------------------- training
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Adjust an optimizer built from the wrapped model's parameters (e.g. to update fp32 master copies)."""
+
+    def optimizer_targets(self, model: nn.Module) -> list[torch.Tensor]:
+        """What a prepared optimizer may update for ``model``: its parameters (and any stand-ins for them)."""
+        return list(model.parameters())
 
     def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
         """An XLA device loader adjusted for this engine (e.g. inputs split over every device)."""
@@ -179,7 +177,7 @@ class Engine:
         """Wrapped parameter name -> the user's names of every parameter it holds (several for a flat group)."""
         return {name: [orig] for name, orig in self.original_names(model).items()}
 
-    # ----------------------------------------------------------------- checkpoints
+    # ----------------------------------------------------------------- checkpoints (CheckpointCodec)
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
         """The tensors (and their metadata) this rank saves for ``model`` and ``optimizer``."""
         raise NotImplementedError
@@ -188,3 +186,32 @@ class Engine:
                 optimizer: Optional[torch.optim.Optimizer]) -> Restored:
         """Load model (and optimizer) state saved by this engine, for any saved world size."""
         raise NotImplementedError
+
+    def sync(self) -> None:
+        """Cut the lazy graph and run it, so pending updates land before values are read."""
+        from ..runtime import sync
+
+        sync()
+
+    def rng_state(self) -> Any:
+        """This process's XLA RNG state."""
+        from ..runtime import get_xla_rng_state
+
+        return get_xla_rng_state()
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore what :meth:`rng_state` returned."""
+        from ..runtime import set_xla_rng_state
+
+        set_xla_rng_state(state)
+
+    def collectives(self, thread_safe: bool = False) -> Optional[Collectives]:
+        """The XLA runtime's rendezvous between processes (a no-op in one process). XLA collectives belong to the
+        training thread: ``thread_safe`` gives torch.distributed's over a gloo group of their own instead, or None
+        when torch.distributed is not initialized."""
+        from ..runtime import default_barrier, default_gather, thread_safe_collectives
+
+        if not thread_safe:
+            return Collectives(default_barrier, default_gather)
+        safe = thread_safe_collectives()
+        return None if safe is None else Collectives(*safe)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ..checkpoint.codec import RankState, Restored
 from ..checkpoint.layout import MODEL_PREFIX
 from ..checkpoint.readers import (
     LAYOUT_FLAT,
@@ -30,7 +31,7 @@ from ..checkpoint.readers import (
 )
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
-from .base import Engine, RankState, Restored, host_copies, host_copy
+from .base import Engine, host_copies, host_copy
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -72,6 +73,10 @@ def host_sharding_unit_class() -> type:
     """
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
     from torch_xla.distributed.fsdp.xla_flatten_params_wrapper import FlatParameter
+
+    from .. import upstream
+
+    upstream.require("engine_v1")  # the stock _shard_parameters_ this class follows
 
     class HostShardingXlaFsdp(XlaFullyShardedDataParallel):
         """FSDP v1 unit whose construction never copies a whole host parameter to the device."""
@@ -199,10 +204,6 @@ class XlaFsdpV1(Engine):
     #: reference the tests compare it with)
     host_sharding = True
 
-    def check_launch(self, distributed_type: str, source: str) -> None:
-        if distributed_type not in ("XLA", "TPU"):
-            raise ConfigError(f"distributed_type={distributed_type!r} in {source}: XLA FSDP needs distributed_type: XLA")
-
     def unit_class(self) -> type:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel
 
@@ -217,14 +218,8 @@ class XlaFsdpV1(Engine):
         """The class units are built with: a subclass of :meth:`unit_class` unless ``host_sharding`` is off."""
         return host_sharding_unit_class() if self.host_sharding else self.unit_class()
 
-    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
-        block = self.checkpoint_block(block, plugin)
-        return self.construction_class()(block, **plugin.fsdp_kwargs()) if nested else block
-
-    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
-        if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
-            model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
-        return self.construction_class()(model, **plugin.fsdp_kwargs())
+    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        return self.construction_class()(block, **plugin.fsdp_kwargs())
 
     def reduce_norm(self, model: nn.Module, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         # each rank holds other shards: combine the local p-norms over the sharding group

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
+from ..checkpoint.codec import RankState, Restored
 from ..checkpoint.layout import MODEL_PREFIX
 from ..checkpoint.readers import LAYOUT_PIECES, RankFile, merge_pieces, open_listed, read_pieces
 from ..checkpoint.safetensors_io import dtype_name
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
 from ..runtime import device_count, process_count, process_index, wait_device_ops
-from .base import Engine, RankState, Restored, host_copy
+from .base import Engine, host_copy
 from .master_weights import attach, cast_parameters, master_weights
 
 if TYPE_CHECKING:
@@ -226,22 +227,8 @@ class XlaFsdpV2(Engine):
     checkpoint_layout = LAYOUT_PIECES
     spmd = True
 
-    def check_settings(self, plugin: "XlaFsdpPlugin") -> None:
-        for key in ("compute_dtype", "buffer_dtype"):
-            dtype = getattr(plugin, key)
-            if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
-                raise ConfigError(f"{key}={str(dtype).replace('torch.', '')} is not available with version=2: "
-                                  "FSDP v2 has no loss scaling for float16; use bfloat16 or float32")
-
-    def check_launch(self, distributed_type: str, source: str) -> None:
-        if distributed_type != "NO":
-            # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
-            raise ConfigError(f"distributed_type={distributed_type!r} in {source}: FSDP v2 (SPMD) drives every device "
-                              "from one process; set distributed_type: NO and num_processes: 1 "
-                              "(see examples/xla_fsdp_v2.yaml)")
-
-    def setup_runtime(self, plugin: "XlaFsdpPlugin") -> None:
-        enable_spmd()
+    def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
+        enable_spmd(what=what)
 
     def runtime_ready(self, counted_processes: int) -> bool:
         from ..runtime import is_spmd
@@ -249,18 +236,18 @@ class XlaFsdpV2(Engine):
         # SPMD on before accelerate counted processes (1), or not on yet and still possible to start cleanly
         return counted_processes <= 1 if is_spmd() else not spmd_too_late()
 
+    def runtime_too_late(self, what: str) -> str:
+        return SPMD_TOO_LATE.format(what=what)
+
     def unit_class(self) -> type:
         return spmd_class()
 
-    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
-        block = self.checkpoint_block(block, plugin)
-        return spmd_class()(block, mesh=get_mesh(plugin), shard_output=shard_output) if nested else block
+    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        return spmd_class()(block, mesh=get_mesh(plugin), shard_output=shard_output)
 
-    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def make_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         from ..runtime import xla_device
 
-        if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
-            model.config.use_cache = False
         # FSDPv2 moves the module with .to(), which makes new Parameters and unties lm_head from the
         # embeddings; move and re-tie first, so the tie survives (and is sharded once)
         model.to(xla_device())
@@ -281,6 +268,10 @@ class XlaFsdpV2(Engine):
 
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         attach(model, optimizer)
+
+    def optimizer_targets(self, model: nn.Module) -> list[torch.Tensor]:
+        masters = master_weights(model)  # low-precision parameters are updated through their fp32 copies
+        return [*model.parameters(), *(master for _, master in (masters.pairs if masters is not None else []))]
 
     def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
         return shard_loader_inputs(loader, get_mesh(plugin))

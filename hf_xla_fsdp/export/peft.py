@@ -216,32 +216,3 @@ def consolidate_checkpoint(ckpt: Union[str, os.PathLike], output: Union[str, os.
         return consolidate(ckpt, output, plan_transform=merged_outputs, **kwargs)
     check_output(Path(output), overwrite)
     return consolidate_adapters(ranks, load_config(config, ranks), output, side_sources=side_file_sources(ckpt, config))
-
-
-def peft_writer(model: nn.Module, plugin: Any, progress: bool = True) -> Any:
-    """For ``save_consolidated``: what a PEFT model's final save writes from its sharded checkpoint.
-
-    Adapter files (peft's own format), or with the plugin's ``merge_adapters`` the full model with the
-    LoRA updates merged in; None for a model without adapters (the plain consolidation).
-    """
-    from ..engines import unwrap
-
-    inner = unwrap(model)
-    if not is_peft_model(inner):
-        return None
-
-    def write(ckpt: Path, output: Path) -> None:
-        from ..checkpoint.consolidate import consolidate_into
-        from ..checkpoint.readers import open_checkpoint
-
-        if getattr(plugin, "merge_adapters", False):
-            consolidate_into(ckpt, output, dtype=getattr(plugin, "consolidate_dtype", "auto"),
-                             max_shard_size=getattr(plugin, "consolidate_max_shard_size", "5GB"), progress=progress,
-                             plan_transform=merged_outputs)
-        else:
-            from ..checkpoint.consolidate import load_config
-
-            ranks = open_checkpoint(ckpt)
-            consolidate_adapters(ranks, load_config(None, ranks), output, side_sources=[ckpt])
-
-    return write

@@ -1,180 +1,49 @@
 """XLA FSDP through transformers' ``Trainer`` flags: ``--fsdp --fsdp_config cfg.json``.
 
-:class:`XlaFsdpTrainer` is a drop-in ``transformers.Trainer`` that reads the same
-``TrainingArguments`` (an existing transformers XLA ``fsdp_config`` JSON works unchanged; our
-extra keys ``meta_init``, ``sharding``, ``checkpoint_format``, ``consolidate_dtype`` and
-``consolidate_max_shard_size`` are accepted) and differs from the stock XLA FSDP path in four ways:
+:class:`XlaFsdpTrainer` is a drop-in ``transformers.Trainer`` that reads the same ``TrainingArguments`` (an
+existing transformers XLA ``fsdp_config`` JSON works unchanged, and every plugin setting is accepted too). The
+work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`, shared with its
+:class:`~hf_xla_fsdp.integrations.accelerate.XlaFsdpAccelerator`); this class maps the Trainer onto it:
 
-* the model may be given as a config, a ``config.json`` or a local model directory, and is then
-  built on ``meta`` and materialized, wrapped and sharded block by block (``meta_init``), so no
-  process ever holds the whole model; an ``nn.Module`` is wrapped once, with our plugin;
-* ``save_steps`` write our sharded rank checkpoints (model shard, optimizer, scheduler, RNG, plus
-  ``trainer_state.json`` for the data position), published atomically; ``resume_from_checkpoint``
-  reads only this rank's file;
+* the model may be given as a config, a ``config.json`` or a local model directory, and is then built on
+  ``meta`` and materialized, wrapped and sharded block by block; an ``nn.Module`` is wrapped once;
+* ``save_steps`` write sharded rank checkpoints (model shard, optimizer, scheduler, RNG, plus
+  ``trainer_state.json``), published atomically; ``resume_from_checkpoint`` reads only this rank's file;
 * the final ``save_model`` streams the shards into a ``from_pretrained``-ready safetensors model in
-  ``output_dir`` (beside the ``checkpoint-*`` directories), tokenizer and training record included;
-* gradients are not all-reduced again after FSDP's reduce-scatter and clipping takes the
-  norm over every shard (the accelerator is :class:`~hf_xla_fsdp.integrations.accelerate.XlaFsdpAccelerator`).
+  ``output_dir``, tokenizer and training record included;
+* gradients are not all-reduced again after FSDP's reduce-scatter and clipping takes the norm over every shard.
+
+The private ``Trainer`` methods it overrides are listed, with the signatures relied on, in
+:mod:`hf_xla_fsdp.upstream`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
 import functools
 import inspect
-import json
 import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
-from ..engines import engine_for, engine_of, is_wrapped, unwrap
+from .. import upstream
+from ..config.training_args import adjust_for_xla, plugin_from_training_args
+from ..engines import is_wrapped
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
-from ..session.preemption import PreemptionGuard
+from ..session import PreemptionGuard, XlaFsdpSession
+from . import startup
 
+upstream.require("trainer")  # the Trainer internals overridden below are there, as this module expects them
 logger = logging.getLogger(__name__)
 
 # transformers' own decay rule (Trainer.get_decay_parameter_names), applied to the original names
 _NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
-_FUSED_OPTIMIZERS = ("adamw_torch_fused",)
-
-
-def plugin_from_training_args(args: TrainingArguments) -> XlaFsdpPlugin:
-    """The plugin described by ``--fsdp --fsdp_config`` (transformers has already read the JSON)."""
-    fsdp_config = getattr(args, "fsdp_config", None) or {}
-    if not args.fsdp or not fsdp_config.get("xla"):
-        raise ConfigError('XlaFsdpTrainer needs --fsdp and an --fsdp_config JSON with "xla": true '
-                          "(e.g. examples/xla_fsdp_config.json)")
-    return XlaFsdpPlugin.from_fsdp_config(fsdp_config)
-
-
-def fsdp_config_from_argv(argv: Optional[list[str]] = None) -> Any:
-    """The ``--fsdp_config`` value a ``HfArgumentParser`` script will read from ``argv`` (default ``sys.argv[1:]``).
-
-    A path or a parsed inline JSON object; also the ``fsdp_config`` of a lone ``args.json`` / ``.yaml`` file
-    (``parser.parse_json_file``). ``None`` when there is none.
-    """
-    import sys
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    value: Any = None
-    for i, arg in enumerate(argv):
-        if arg in ("--fsdp_config", "--fsdp-config") and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(("--fsdp_config=", "--fsdp-config=")):
-            value = arg.split("=", 1)[1]
-    if (value is None and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and os.path.isfile(argv[0])
-            and os.path.getsize(argv[0]) < 1 << 20):  # an arguments file, not a data set
-        with open(argv[0], encoding="utf-8") as f:
-            if argv[0].endswith(".json"):
-                data = json.load(f)
-            else:
-                import yaml
-
-                data = yaml.safe_load(f)
-        value = data.get("fsdp_config") if isinstance(data, dict) else None
-    if isinstance(value, str) and value.lstrip().startswith("{"):
-        value = json.loads(value)
-    return value or None
-
-
-def enable_spmd_if_configured(argv: Optional[list[str]] = None) -> bool:
-    """Start SPMD when the command line's ``--fsdp_config`` asks for FSDP v2; returns whether it did.
-
-    It runs by itself when this module is imported (``from hf_xla_fsdp import XlaFsdpTrainer``), which in a
-    script comes before ``TrainingArguments`` exist: building them starts accelerate's process state, which
-    uses the XLA device (and under multi-device XLA would count one process per device).
-    """
-    settings = fsdp_config_from_argv(argv)
-    if settings is None:
-        return False
-    plugin = XlaFsdpPlugin.from_fsdp_config(settings)  # also reports a bad config before anything runs
-    engine = engine_for(plugin)
-    if engine.spmd:
-        engine.setup_runtime(plugin)
-    return engine.spmd
-
-
-def _auto_spmd(fsdp_config: Any, what: str) -> None:
-    """Start SPMD when ``fsdp_config`` (dict, path or inline JSON) asks for FSDP v2.
-
-    A config that cannot be read is left for the trainer to report with the other arguments; SPMD that can no
-    longer start fails here, with the one line the script needs (never a forced switch, which segfaults later).
-    """
-    if os.environ.get("HF_XLA_FSDP_AUTO_SPMD", "1").strip().lower() in ("0", "false", "no") or not fsdp_config:
-        return
-    try:
-        if isinstance(fsdp_config, str) and fsdp_config.lstrip().startswith("{"):
-            fsdp_config = json.loads(fsdp_config)
-        engine = engine_for(XlaFsdpPlugin.from_fsdp_config(fsdp_config))
-    except Exception:  # noqa: BLE001 - not ours to judge here; XlaFsdpTrainer reports it with the other arguments
-        return
-    if engine.spmd:
-        from ..engines.v2 import enable_spmd
-
-        enable_spmd(what=what)
-
-
-def _enable_spmd_at_import() -> None:
-    """The user's ``from hf_xla_fsdp import XlaFsdpTrainer`` runs before ``parse_args``: a v2 ``--fsdp_config``
-    on the command line (or in a lone ``args.json``) starts SPMD now, before the script uses the XLA device."""
-    try:
-        settings = fsdp_config_from_argv()
-    except Exception:  # noqa: BLE001
-        return
-    _auto_spmd(settings, "code that ran before hf_xla_fsdp's trainer was imported")
-
-
-def _start_spmd_with_training_arguments() -> None:
-    """``TrainingArguments`` built after this import start SPMD themselves when their fsdp_config asks for v2.
-
-    Their ``_setup_devices`` (first read in ``__post_init__``) builds accelerate's ``PartialState``, which takes
-    the XLA device and counts processes; SPMD has to be on before that, whatever way the config arrived
-    (command line, JSON/YAML file, a dict in code, a ``TrainingArguments`` subclass such as TRL's configs).
-    """
-    original = TrainingArguments.__dict__.get("_setup_devices")
-    if not isinstance(original, functools.cached_property) or getattr(original.func, "_hf_xla_fsdp", False):
-        return  # another transformers layout: the argv hook and XlaFsdpTrainer's own check still apply
-
-    def _setup_devices(self: TrainingArguments) -> torch.device:
-        if getattr(self, "fsdp", None):
-            _auto_spmd(getattr(self, "fsdp_config", None), "code that ran before these TrainingArguments were built")
-        return original.func(self)
-
-    _setup_devices._hf_xla_fsdp = True  # type: ignore[attr-defined]
-    patched = functools.cached_property(_setup_devices)
-    patched.__set_name__(TrainingArguments, "_setup_devices")
-    TrainingArguments._setup_devices = patched
-
-
-def original_parameter_names(model: nn.Module) -> dict[str, str]:
-    """FSDP parameter name -> the user's parameter name (a flattened group maps to its first member)."""
-    return engine_of(model).original_names(model)
-
-
-@contextlib.contextmanager
-def _pending_save_ends() -> Iterator[None]:
-    """A checkpoint still being written in the background is published (or its failure raised) before training
-    returns; if training itself failed, that failure is the one raised and the save's is logged."""
-    from ..checkpoint import wait_for_pending_save
-
-    try:
-        yield
-    except BaseException:
-        try:
-            wait_for_pending_save()
-        except Exception as err:
-            logger.error("%s", err)
-        raise
-    wait_for_pending_save()
 
 
 class PreemptionCallback(TrainerCallback):
@@ -215,113 +84,68 @@ class XlaFsdpTrainerMixin:
         if args is None:
             raise ConfigError(f"{type(self).__name__} needs TrainingArguments with --fsdp and --fsdp_config "
                               "(\"xla\": true)")
-        self.xla_fsdp_plugin = fsdp_plugin or plugin_from_training_args(args)
-        if args.bf16 or args.fp16:  # the engine's compute dtype (before any block is wrapped), never autocast
-            flag = "bf16" if args.bf16 else "fp16"
-            self.xla_fsdp_plugin = self.xla_fsdp_plugin.with_mixed_precision(flag, f"TrainingArguments({flag}=True)")
-        engine = engine_for(self.xla_fsdp_plugin)
-        if not engine.runtime_ready(args.world_size):
-            from ..engines.v2 import SPMD_TOO_LATE
-
-            raise ConfigError(SPMD_TOO_LATE.format(what=f"TrainingArguments (accelerate's PartialState, "
-                                                        f"{args.world_size} process(es) counted)"))
-        engine.setup_runtime(self.xla_fsdp_plugin)  # FSDP v2: one process drives every device, before any XLA tensor
-        optim = str(getattr(args.optim, "value", args.optim))
-        if optim in _FUSED_OPTIMIZERS:
-            # torch's fused AdamW has no XLA kernel; the same update unfused compiles into the step graph
-            logger.warning("optim=%s has no XLA kernel; using adamw_torch", optim)
-            args.optim = "adamw_torch"
-        asked = [name for name in ("activation_checkpointing", "gradient_checkpointing") if getattr(args, name, False)]
-        if asked:
-            # torch.utils.checkpoint has no XLA device module; on XLA it is checkpoint_module around every block
-            logger.warning("%s=True: using XLA FSDP's activation_checkpointing (checkpoint_module around every block) "
-                           "instead", asked[0])
-            for name in asked:
-                setattr(args, name, False)
-            if not self.xla_fsdp_plugin.activation_checkpointing:
-                self.xla_fsdp_plugin = dataclasses.replace(self.xla_fsdp_plugin, activation_checkpointing=True)
+        plugin = adjust_for_xla(fsdp_plugin, args) if fsdp_plugin is not None else plugin_from_training_args(args)
+        self.xla_fsdp_session = XlaFsdpSession(plugin)
+        self.xla_fsdp_session.checkpoints.progress = not args.disable_tqdm
+        self.xla_fsdp_session.setup_runtime(
+            counted_processes=args.world_size,
+            what=f"TrainingArguments (accelerate's PartialState, {args.world_size} process(es) counted)")
         if model is not None and trainer_kwargs.get("peft_config") is not None and not isinstance(model, nn.Module):
             # TRL's peft_config with a model path: adapters attached on meta, the base read block by block (never
             # whole on the host); the subclass then receives a PeftModel and attaches nothing itself
-            from transformers import set_seed
-
-            set_seed(args.seed)
-            model = self.xla_fsdp_plugin.build(model, progress=args.should_log, wrap_root=False,
-                                               peft_config=trainer_kwargs.pop("peft_config"))
+            model = self._materialize(model, args, wrap_root=False, peft_config=trainer_kwargs.pop("peft_config"))
             trainer_kwargs["peft_config"] = None
         elif model is not None:
             model = self._materialize(model, args, wrap_root=False)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         if self.model is not None:
-            self.model = self.model_wrapped = self._finish_wrapping(self.model)
+            self.model = self.model_wrapped = self.xla_fsdp_session.finish_wrapping(self.model)
         self._inspect_inner_model()
         # the stock XLA FSDP paths (v1 wrap in _wrap_model, v2's own ("fsdp", "tensor") mesh and batch sharding)
-        # stay off: our engine wraps the model and shards the batches in the dataloaders below
+        # stay off: our session wraps the model, and our accelerator shards the batches in the dataloaders
         self.is_fsdp_xla_v2_enabled = self.is_fsdp_xla_v1_enabled = False
 
-    def _finish_wrapping(self, model: nn.Module) -> nn.Module:
-        """The model with its outer unit: wrapped whole when nothing is yet, else only the root added."""
-        from ..engines import unit_classes
-        from ..modeling.wrapping import wrap_root
-
-        if not is_wrapped(model):
-            return self.xla_fsdp_plugin.wrap(model)
-        if not isinstance(model, unit_classes()):  # blocks sharded by a meta build, root left for after __init__
-            return wrap_root(model, self.xla_fsdp_plugin)
-        return model
+    @property
+    def xla_fsdp_plugin(self) -> XlaFsdpPlugin:
+        """The settings of this trainer's session."""
+        return self.xla_fsdp_session.plugin
 
     # ----------------------------------------------------------------- training, preemption-aware
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; with ``save_on_preemption`` (and checkpoints on), SIGTERM saves ``checkpoint-N`` at the
         next step boundary, stops training, logs where it saved and exits the process with code 0."""
-        from ..checkpoint import wait_for_pending_save
         from ..checkpoint.layout import latest_checkpoint
 
+        session = self.xla_fsdp_session
         if kwargs.get("resume_from_checkpoint") is True or (args and args[0] is True):
             # transformers picks the highest checkpoint-N; only a marked one is complete (object storage writes in place)
             latest = latest_checkpoint(self.args.output_dir)
             if latest is not None:
                 kwargs["resume_from_checkpoint"], args = str(latest), args[1:]
         save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
-        guard = PreemptionGuard()
-        if not (self.xla_fsdp_plugin.save_on_preemption and save_strategy != "no" and guard.install()):
-            with _pending_save_ends():
+        if save_strategy == "no" or not session.watch_preemption():
+            with session.checkpoints.pending_saves_end():
                 return super().train(*args, **kwargs)
-        callback = PreemptionCallback(guard)
+        callback = PreemptionCallback(session.preemption)
         self.add_callback(callback)
         try:
-            with _pending_save_ends():
+            with session.checkpoints.pending_saves_end():
                 result = super().train(*args, **kwargs)
         finally:
-            guard.restore()
+            session.stop_watching_preemption()
             self.remove_callback(callback)
         if callback.step is None:
             return result
-        wait_for_pending_save()
+        session.checkpoints.wait()
         saved = getattr(self, "_xla_fsdp_last_checkpoint", None)
         logger.warning("%s received: saved checkpoint %s at step %d and stopped training; resume with "
-                       "resume_from_checkpoint=%s", guard.signal_name, saved, self.state.global_step, saved)
+                       "resume_from_checkpoint=%s", session.preemption.signal_name, saved, self.state.global_step, saved)
         raise SystemExit(0)
-
-    def _shard_inputs(self, loader: Any) -> Any:
-        return engine_for(self.xla_fsdp_plugin).prepare_loader(loader, self.xla_fsdp_plugin)
-
-    def get_train_dataloader(self) -> Any:
-        """Trainer's loader; with FSDP v2 its batches are split over every device."""
-        return self._shard_inputs(super().get_train_dataloader())
-
-    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
-        """Trainer's loader; with FSDP v2 its batches are split over every device."""
-        return self._shard_inputs(super().get_eval_dataloader(eval_dataset))
-
-    def get_test_dataloader(self, test_dataset: Any) -> Any:
-        """Trainer's loader; with FSDP v2 its batches are split over every device."""
-        return self._shard_inputs(super().get_test_dataloader(test_dataset))
 
     def _transformers_model(self) -> nn.Module:
         """The transformers model inside the FSDP wrappers and, for a PEFT model, inside peft's (whose plain
         ``PeftModel.forward(*args, **kwargs)`` names no column), as the stock Trainer inspects it."""
-        inner = unwrap(self.model)
+        inner = self.xla_fsdp_session.unwrap(self.model)
         if hasattr(inner, "get_base_model") and hasattr(inner, "peft_config"):
             inner = inner.get_base_model()
         return inner
@@ -344,18 +168,18 @@ class XlaFsdpTrainerMixin:
             self._signature_columns += list({"label", "label_ids", *self.label_names})
 
     # ----------------------------------------------------------------- the model
-    def _materialize(self, model: Any, args: TrainingArguments, wrap_root: bool = True) -> nn.Module:
+    def _materialize(self, model: Any, args: TrainingArguments, wrap_root: bool = True, peft_config: Any = None,
+                     ) -> nn.Module:
         from transformers import set_seed
 
-        plugin = self.xla_fsdp_plugin
         if isinstance(model, nn.Module):
-            return model if is_wrapped(model) or not wrap_root else plugin.wrap(model)
+            return model if is_wrapped(model) or not wrap_root else self.xla_fsdp_session.wrap_model(model)
         if not isinstance(model, (PretrainedConfig, str, os.PathLike)):
             raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json or a local model "
                               f"directory, not {type(model).__name__}")
         set_seed(args.seed)  # the same initial weights as building the model after set_seed in run_clm
-        # the root wrap turns the KV cache off under activation checkpointing (see the engines' wrap_root)
-        return plugin.build(model, progress=args.should_log, wrap_root=wrap_root)
+        return self.xla_fsdp_session.build_model(model, progress=args.should_log, wrap_root=wrap_root,
+                                                 peft_config=peft_config)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init()``'s model (module, config or path), built and wrapped like ``model``."""
@@ -364,7 +188,7 @@ class XlaFsdpTrainerMixin:
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if is_wrapped(model):
             return model  # never a second FSDP wrap (the stock path would wrap again here)
-        return self.xla_fsdp_plugin.wrap(model) if training else model
+        return self.xla_fsdp_session.wrap_model(model) if training else model
 
     # ----------------------------------------------------------------- accelerator and optimizer
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
@@ -374,14 +198,14 @@ class XlaFsdpTrainerMixin:
         return self._accelerator_kwargs
 
     def create_accelerator_and_postprocess(self) -> None:
-        """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` as the accelerator."""
+        """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` (on this trainer's session) as the accelerator."""
         from .accelerate import XlaFsdpAccelerator
 
         super().create_accelerator_and_postprocess()
         kwargs = dict(self._accelerator_kwargs)
         if kwargs.pop("fsdp_plugin", None) is not None:  # torch FSDP's plugin: never built for an XLA fsdp_config
             raise ConfigError("XlaFsdpTrainer got a torch FSDP plugin; use an fsdp_config with \"xla\": true")
-        self.accelerator = XlaFsdpAccelerator(fsdp_plugin=self.xla_fsdp_plugin, **kwargs)
+        self.accelerator = XlaFsdpAccelerator(session=self.xla_fsdp_session, **kwargs)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(self.gather_function,
@@ -394,9 +218,9 @@ class XlaFsdpTrainerMixin:
         """
         if not is_wrapped(model):
             return super().get_decay_parameter_names(model)
-        inner = unwrap(model)
+        inner = self.xla_fsdp_session.unwrap(model)
         decay = []
-        for name, orig in original_parameter_names(model).items():
+        for name, orig in self.xla_fsdp_session.original_names(model).items():
             owner = orig.rsplit(".", 1)[0] if "." in orig else ""
             try:
                 is_norm = isinstance(inner.get_submodule(owner), nn.LayerNorm)
@@ -406,19 +230,18 @@ class XlaFsdpTrainerMixin:
                 decay.append(name)
         return decay
 
-    def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
+    def _raw_optimizer(self) -> Any:
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
     # ----------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         """A sharded checkpoint-N: rank files + trainer_state.json (+ config, tokenizer), published atomically."""
+        from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_callback import ExportableState
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
-        from ..checkpoint import save_checkpoint, wait_for_pending_save
-        from ..checkpoint.consolidate import consolidate_into
-
-        wait_for_pending_save()  # the previous checkpoint is published before this one is named and rotated
+        checkpoints = self.xla_fsdp_session.checkpoints
+        checkpoints.wait()  # the previous checkpoint is published before this one is named and rotated
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
@@ -435,18 +258,10 @@ class XlaFsdpTrainerMixin:
             else:
                 self.state.stateful_callbacks[name] = cb_state
         state = copy.deepcopy(self.state)  # as of this step, whenever the files are written
-        plugin = self.xla_fsdp_plugin
 
-        def finish(stage: Path) -> None:
-            """Rank 0, the rank files marked complete: trainer state and side files join before publication."""
-            from transformers.trainer import TRAINER_STATE_NAME
-
+        def side_files(stage: Path) -> None:
             state.save_to_json(str(stage / TRAINER_STATE_NAME))
             self._save_side_files(stage)
-            if plugin.checkpoint_format == "sharded+consolidated":
-                consolidate_into(stage, stage, dtype=plugin.consolidate_dtype,
-                                 max_shard_size=plugin.consolidate_max_shard_size,
-                                 progress=not self.args.disable_tqdm and not plugin.async_save)
 
         def published(path: Path) -> None:
             """On the training thread, once the checkpoint is in place: hub upload and rotation."""
@@ -454,23 +269,18 @@ class XlaFsdpTrainerMixin:
             if self.args.push_to_hub:
                 self._push_from_checkpoint(str(path))
             if self.args.should_save:
-                from transformers.trainer_utils import rotate_checkpoints
-
                 rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                    best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
-        save_only_model = self.args.save_only_model
-        # a background save gathers through torch.distributed (thread-safe); a synchronous one through accelerate
-        barrier = None if plugin.async_save else (lambda tag: self.accelerator.wait_for_everyone())
-        save_checkpoint(output_dir, self.model, None if save_only_model else self._raw_optimizer(),
-                        None if save_only_model else self.lr_scheduler, step=self.state.global_step,
-                        plugin=plugin, extra={"trainer": True, **self._training_record()},
-                        barrier=barrier, before_commit=finish, async_save=plugin.async_save,
-                        after_commit=published, storage=plugin.checkpoint_storage)
+        only_model = self.args.save_only_model
+        checkpoints.save(output_dir, self.model, None if only_model else self._raw_optimizer(),
+                         None if only_model else self.lr_scheduler, step=self.state.global_step,
+                         extra={"trainer": True, **self._training_record()}, side_files=side_files,
+                         on_published=published)
 
     def _save_side_files(self, directory: Path) -> None:
         """config.json, generation_config.json, tokenizer and training_args.json of the run."""
-        inner = unwrap(self.model)
+        inner = self.xla_fsdp_session.unwrap(self.model)
         config = getattr(inner, "config", None)
         if config is not None:
             config.save_pretrained(str(directory))
@@ -502,24 +312,19 @@ class XlaFsdpTrainerMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Restore this rank's model shard, optimizer and scheduler (any saved world size)."""
-        from ..checkpoint import load_checkpoint
-
         if checkpoint is None:
             return
-        load_checkpoint(checkpoint, self.model, None if self.args.save_only_model else self._raw_optimizer(),
-                        None if self.args.save_only_model else self.lr_scheduler, restore_rng=False)
+        only_model = self.args.save_only_model
+        self.xla_fsdp_session.checkpoints.load(checkpoint, self.model, None if only_model else self._raw_optimizer(),
+                                               None if only_model else self.lr_scheduler, restore_rng=False)
 
     def _load_rng_state(self, checkpoint: Optional[str]) -> None:
-        from ..checkpoint import restore_rng_state
-
         if checkpoint is not None:
-            restore_rng_state(checkpoint, self.model)
+            self.xla_fsdp_session.checkpoints.restore_rng(checkpoint, self.model)
 
     def _load_best_model(self) -> None:
-        from ..checkpoint import load_checkpoint
-
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
-        load_checkpoint(self.state.best_model_checkpoint, self.model, restore_rng=False)
+        self.xla_fsdp_session.checkpoints.load(self.state.best_model_checkpoint, self.model, restore_rng=False)
 
     # ----------------------------------------------------------------- the final model
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
@@ -528,18 +333,12 @@ class XlaFsdpTrainerMixin:
         Every rank writes its shard; the main process streams them into safetensors beside whatever
         ``output_dir`` already holds (``checkpoint-*`` stay), with config, tokenizer and training record.
         """
-        from ..checkpoint.consolidate import save_consolidated
-
         if not is_wrapped(self.model):
             raise ConfigError("save_model needs the FSDP-wrapped model; build the trainer with a model or call train() first")
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
-        from ..export.peft import peft_writer
-
-        save_consolidated(self.model, output, self.xla_fsdp_plugin, is_main=self.args.should_save,
-                          step=self.state.global_step, extra=self._training_record(),
-                          barrier=lambda tag: self.accelerator.wait_for_everyone(), add_files=self._save_side_files,
-                          write=peft_writer(self.model, self.xla_fsdp_plugin, not self.args.disable_tqdm),
-                          progress=not self.args.disable_tqdm)
+        self.xla_fsdp_session.checkpoints.save_pretrained(
+            self.model, output, is_main=self.args.should_save, step=self.state.global_step,
+            extra=self._training_record(), side_files=self._save_side_files, progress=not self.args.disable_tqdm)
         if self.args.should_save:
             (output / "training_args.json").write_text(self.args.to_json_string())
         if self.args.push_to_hub and not _internal_call:
@@ -580,8 +379,6 @@ def xla_fsdp_trainer(trainer_cls: type) -> type:
                 {"__module__": trainer_cls.__module__, "__doc__": f"{trainer_cls.__name__} with XLA FSDP."})
 
 
-_start_spmd_with_training_arguments()
-_enable_spmd_at_import()
+startup.install()  # the one-line swap: v2 settings start SPMD before the script's TrainingArguments use the device
 
-__all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd_if_configured", "fsdp_config_from_argv",
-           "original_parameter_names", "plugin_from_training_args", "xla_fsdp_trainer"]
+__all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "xla_fsdp_trainer"]

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..checkpoint.safetensors_io import SafetensorsReader
 from ..errors import ConfigError
 from ..runtime import sync
+from .wrapping import BlockPlan, plan_blocks, replace_submodule
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -302,6 +303,9 @@ def build_skeleton(
     tape (see the module docstring; a :class:`Materializer` must then fill every module, which
     leaves the RNG where eager construction does); the global RNG meanwhile is not eager's final state.
     """
+    from .. import upstream
+
+    upstream.require("modeling")  # transformers' init internals recorded and replayed below
     cls = model_class(source.config, model_cls)
     calls: list[_InitCall] = []
     tape, tape_start = None, None
@@ -595,43 +599,29 @@ def _post_order(module: nn.Module, stop: set[nn.Module]) -> list[nn.Module]:
     return out
 
 
-def build_model(
-    source: Any,
+def build_sharded(
+    source: ModelSource,
     plugin: "XlaFsdpPlugin",
     *,
+    wrap_block: Callable[[nn.Module, bool], nn.Module],
+    wrap_root: Optional[Callable[[nn.Module], nn.Module]],
     model_cls: Any = None,
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
-    wrap_root: bool = True,
     peft_config: Any = None,
 ) -> nn.Module:
-    """Build ``source`` (config, config.json or local pretrained dir) wrapped with XLA FSDP.
+    """Build ``source`` on ``meta``, then materialize, initialize and shard it block by block.
 
-    With ``plugin.meta_init`` (the default) each block is materialized, wrapped and sharded in
-    turn; otherwise the model is built eagerly on the host and then wrapped (the reference path).
-    ``wrap_root=False`` stops before the outer unit (blocks sharded, the root's own tensors on the
-    host), for code that must see the model itself first (e.g. a Trainer subclass patching its
-    forward); :func:`hf_xla_fsdp.build.wrapping.wrap_root` finishes it.
+    ``wrap_block(block, nested)`` makes a block a unit (the engine's); ``wrap_root(model)`` adds the outer unit, or
+    with ``None`` the model is returned with its blocks sharded and the root's own tensors on the host (for code
+    that must see the model itself first, e.g. a Trainer subclass patching its forward).
 
     ``peft_config`` (e.g. a ``peft.LoraConfig``) attaches adapters to the skeleton before anything is
     materialized and returns the wrapped ``PeftModel``: the order is base on meta, adapters on meta,
     then block by block: base tensors read (or initialized), adapters initialized, shard.
     """
-    from ..engines import engine_for
-    from .wrapping import wrap_model
-
-    src = resolve_source(source)
-    engine_for(plugin).setup_runtime(plugin)
-    if not plugin.meta_init:
-        eager = build_eager(src, model_cls=model_cls, dtype=dtype)
-        if peft_config is not None:
-            from .adapters import require_peft
-
-            eager = require_peft().get_peft_model(eager, peft_config)
-        return wrap_model(eager, plugin) if wrap_root else eager
-
     # adapters are initialized between fills from the global RNG, which must then already be eager's final state
-    sk = build_skeleton(src, model_cls=model_cls, dtype=dtype, defer_init_draws=peft_config is None)
+    sk = build_skeleton(source, model_cls=model_cls, dtype=dtype, defer_init_draws=peft_config is None)
     release_host_memory()  # the skeleton's scratch draws leave freed heap behind
     model, key_of, init_adapters = sk.model, None, None
     if peft_config is not None:
@@ -643,28 +633,26 @@ def build_model(
         def init_adapters(modules: list[nn.Module]) -> None:
             adapters.init_adapters(adapters.adapter_layers(modules), model)
     with _older_objects_frozen():
-        return _fill_and_wrap(sk, model, plugin, key_of, init_adapters, progress=progress, wrap_root=wrap_root)
+        return _fill_and_wrap(sk, model, plan_blocks(model, plugin), key_of, init_adapters, wrap_block=wrap_block,
+                              wrap_root=wrap_root, progress=progress)
 
 
-def _fill_and_wrap(sk: Skeleton, model: nn.Module, plugin: "XlaFsdpPlugin", key_of: Any, init_adapters: Any, *,
-                   progress: bool, wrap_root: bool) -> nn.Module:
-    """Materialize, initialize and shard ``model`` block by block, then the root (see :func:`build_model`)."""
-    from . import wrapping
-    from .wrapping import replace_submodule, select_blocks, wrap_block
-
-    names = select_blocks(model, plugin)
-    blocks = [model.get_submodule(n) for n in names]
-    done: set[nn.Module] = set()
-    filler = Materializer(sk, key_of)
+def _fill_and_wrap(sk: Skeleton, model: nn.Module, plan: BlockPlan, key_of: Any, init_adapters: Any, *,
+                   wrap_block: Callable[[nn.Module, bool], nn.Module], wrap_root: Optional[Callable[[nn.Module], nn.Module]],
+                   progress: bool) -> nn.Module:
+    """Materialize, initialize and shard ``model`` block by block, then the root (see :func:`build_sharded`)."""
     from tqdm.auto import tqdm
 
-    nested = plugin.sharding == "zero3"
-    for name, block in tqdm(list(zip(names, blocks)), desc="materialize+shard blocks", disable=not progress, unit="block"):
+    blocks = [model.get_submodule(n) for n in plan.names]
+    done: set[nn.Module] = set()
+    filler = Materializer(sk, key_of)
+    for name, block in tqdm(list(zip(plan.names, blocks)), desc="materialize+shard blocks", disable=not progress,
+                            unit="block"):
         modules = _post_order(block, stop=done)
         filler.fill(modules)
         if init_adapters is not None:
             init_adapters(modules)
-        wrapped = wrap_block(block, plugin, nested)
+        wrapped = wrap_block(block, plan.nested)
         replace_submodule(model, name, wrapped)
         done.add(wrapped)
         done.add(block)
@@ -676,9 +664,9 @@ def _fill_and_wrap(sk: Skeleton, model: nn.Module, plugin: "XlaFsdpPlugin", key_
     if init_adapters is not None:
         init_adapters(rest)
     filler.close()
-    if not wrap_root:
+    if wrap_root is None:
         return model
-    root = wrapping.wrap_root(model, plugin)
+    root = wrap_root(model)
     sync()
     release_host_memory()
     return root

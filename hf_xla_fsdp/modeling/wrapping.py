@@ -1,18 +1,18 @@
-"""Choosing the blocks that become FSDP units and wrapping them (nested ZeRO-3 or root-only ZeRO-2).
+"""Which blocks become FSDP units (nested ZeRO-3) or stay inside the root unit (ZeRO-2).
 
-The selection follows torch_xla's auto-wrap decision procedure on module classes or sizes; the
-wrapping itself is the engine's (:meth:`~hf_xla_fsdp.engines.base.Engine.wrap_block`).
+The selection follows torch_xla's auto-wrap decision procedure on module classes or sizes, on any model
+(a ``meta`` skeleton too); the wrapping itself is the engine's, called by the session.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from torch import nn
 
-from ..engines import engine_for, fsdp_units, is_wrapped, unit_classes, unwrap
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -20,20 +20,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_not_wrapped", "fsdp_class", "fsdp_classes", "fsdp_units", "is_wrapped", "replace_submodule",
-           "resolve_classes", "select_blocks", "unwrap", "wrap_block", "wrap_model", "wrap_root"]
-
-
-def fsdp_class() -> type:
-    """``XlaFullyShardedDataParallel``, FSDP v1's unit class (imported lazily: importing torch_xla starts its runtime)."""
-    from ..engines import ENGINES
-
-    return ENGINES[1].unit_class()
-
-
-def fsdp_classes() -> tuple[type, ...]:
-    """The FSDP unit classes of every engine."""
-    return unit_classes()
+__all__ = ["BlockPlan", "plan_blocks", "replace_submodule", "resolve_classes", "select_blocks"]
 
 
 def resolve_classes(model: nn.Module, names: Sequence[str]) -> set[type]:
@@ -90,39 +77,27 @@ def select_blocks(model: nn.Module, plugin: "XlaFsdpPlugin") -> list[str]:
     return chosen
 
 
+@dataclass(frozen=True)
+class BlockPlan:
+    """The blocks a model's wrapping touches, and whether each becomes its own FSDP unit."""
+
+    #: qualified names of the selected blocks, innermost first (activation checkpointing wraps each)
+    names: list[str]
+    #: ZeRO-3: every selected block is its own unit; ZeRO-2: the root unit holds them all
+    nested: bool
+
+    @property
+    def units(self) -> list[str]:
+        """The blocks that become FSDP units of their own."""
+        return self.names if self.nested else []
+
+
+def plan_blocks(model: nn.Module, plugin: "XlaFsdpPlugin") -> BlockPlan:
+    """Where ``plugin`` wraps ``model``: the one place that turns ``sharding`` into nested units or not."""
+    return BlockPlan(select_blocks(model, plugin), nested=plugin.sharding == "zero3")
+
+
 def replace_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     """Put ``new`` where ``root.get_submodule(name)`` was."""
     parent_name, _, child = name.rpartition(".")
     setattr(root.get_submodule(parent_name) if parent_name else root, child, new)
-
-
-def wrap_block(block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
-    """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``."""
-    return engine_for(plugin).wrap_block(block, plugin, nested)
-
-
-def wrap_root(model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
-    """The outer FSDP unit: shards every parameter no inner unit owns."""
-    return engine_for(plugin).wrap_root(model, plugin)
-
-
-def check_not_wrapped(model: nn.Module) -> None:
-    """Refuse a model that already holds XLA FSDP units: wrapping twice would shard shards."""
-    if is_wrapped(model):
-        unit = next(type(m).__name__ for m in model.modules() if isinstance(m, unit_classes()))
-        raise ConfigError(
-            f"{type(model).__name__} is already wrapped with {unit}; "
-            "pass the unwrapped model to XlaFsdpPlugin.wrap (or use it as it is)"
-        )
-
-
-def wrap_model(model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
-    """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``."""
-    check_not_wrapped(model)
-    if any(p.is_meta for p in model.parameters()):
-        raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
-    engine_for(plugin).setup_runtime(plugin)
-    nested = plugin.sharding == "zero3"
-    for name in select_blocks(model, plugin):
-        replace_submodule(model, name, wrap_block(model.get_submodule(name), plugin, nested))
-    return wrap_root(model, plugin)

@@ -229,12 +229,12 @@ class _Model:
 
 def _load_model(source: Any, plugin: "XlaFsdpPlugin") -> _Model:
     from ..modeling.meta_init import build_skeleton, resolve_source
-    from ..modeling.wrapping import select_blocks
+    from ..modeling.wrapping import plan_blocks
     from .presets import is_preset, preset_config
 
     src = resolve_source(preset_config(source) if is_preset(source) else source)
     model = build_skeleton(src, record_init=False).model
-    blocks = select_blocks(model, plugin) if plugin.sharding == "zero3" else []
+    blocks = plan_blocks(model, plugin).units
     units = [(name or "<root>", [(p.numel(), tuple(p.shape)) for p in params])
              for name, params in unit_params(model, blocks).items()]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

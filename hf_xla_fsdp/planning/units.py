@@ -33,14 +33,14 @@ def unit_params(model: nn.Module, blocks: list[str]) -> dict[str, list[Any]]:
 def plan(source: Any, plugin: "XlaFsdpPlugin", world_size: int = 1) -> dict[str, Any]:
     """Describe how ``source`` would be sharded over ``world_size`` ranks (nothing is materialized)."""
     from ..modeling.meta_init import build_skeleton, resolve_source
-    from ..modeling.wrapping import select_blocks
+    from ..modeling.wrapping import plan_blocks
 
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
     src = resolve_source(source)
     sk = build_skeleton(src, record_init=False)  # sizing needs the skeleton only
     model = sk.model
-    blocks = select_blocks(model, plugin) if plugin.sharding == "zero3" else []
+    blocks = plan_blocks(model, plugin).units
     units = unit_params(model, blocks)
     per_unit = []
     for name, params in units.items():

@@ -1,0 +1,248 @@
+"""The session's checkpointing: one place for what every entry point does around the file protocol.
+
+:mod:`hf_xla_fsdp.checkpoint` writes and reads rank files (the protocol, the storage backends, consolidation);
+:class:`CheckpointManager` decides how a run uses them: synchronous or background saves (:class:`AsyncMode`), who
+waits for whom, publication hooks and rotation, the final ``from_pretrained``-ready save (streaming consolidation,
+or peft's adapter files for a PEFT model) and the full state dict. ``XlaFsdpTrainer`` and ``XlaFsdpAccelerator``
+both go through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from ..checkpoint import load_checkpoint, restore_rng_state, save_checkpoint, wait_for_pending_save
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .session import XlaFsdpSession
+
+PathLike = Union[str, os.PathLike]
+
+
+class AsyncMode(enum.Enum):
+    """How a save shares time with training."""
+
+    #: the step waits until the checkpoint is published
+    SYNC = "sync"
+    #: the step waits only for the copy of this rank's state to host memory; writing and publishing run in a
+    #: background thread, and the next save, a load and the end of training wait for it
+    ASYNC = "async"
+
+
+class CheckpointManager:
+    """Saves, loads, rotates and exports the checkpoints of one session's models (see the module docstring).
+
+    ``barrier(tag)`` is how the processes of a synchronous save meet (an accelerator's ``wait_for_everyone``); a
+    background save never uses it (XLA collectives belong to the training thread) and meets through
+    torch.distributed instead.
+    """
+
+    def __init__(self, session: "XlaFsdpSession", barrier: Optional[Callable[[str], None]] = None) -> None:
+        self.session = session
+        self.barrier = barrier
+        self.mode = AsyncMode.ASYNC if session.plugin.async_save else AsyncMode.SYNC
+        #: progress bars for consolidations (the integrations set it from ``disable_tqdm`` / the main process)
+        self.progress = True
+
+    # ----------------------------------------------------------------- sharded checkpoints
+    def save(self, directory: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+             scheduler: Any = None, *, step: int, extra: Optional[dict[str, Any]] = None,
+             side_files: Optional[Callable[[Path], None]] = None, on_published: Optional[Callable[[Any], None]] = None,
+             mode: Optional[AsyncMode] = None) -> Union[str, Path]:
+        """A sharded checkpoint of ``model`` (and optimizer, scheduler) in ``directory``, published atomically.
+
+        Every process calls it. ``side_files(dir)`` adds files beside the rank files before publication (rank 0);
+        ``on_published(path)`` runs on the calling thread once the checkpoint is in place: at once for a synchronous
+        save, when it is waited for otherwise. ``mode`` overrides the plugin's (e.g. the last save before a
+        preemption is always synchronous).
+        """
+        from ..checkpoint.consolidate import consolidate_into
+
+        mode = mode or self.mode
+        plugin = self.session.plugin
+
+        def before_commit(stage: Path) -> None:
+            """Rank 0, every rank file marked complete: side files (and a consolidated copy) join before publication."""
+            if side_files is not None:
+                side_files(stage)
+            if plugin.checkpoint_format == "sharded+consolidated":
+                consolidate_into(stage, stage, dtype=plugin.consolidate_dtype,
+                                 max_shard_size=plugin.consolidate_max_shard_size,
+                                 progress=self.progress and mode is AsyncMode.SYNC)
+
+        return save_checkpoint(directory, model, optimizer, scheduler, step=step, plugin=plugin, extra=extra,
+                               barrier=self.barrier if mode is AsyncMode.SYNC else None, before_commit=before_commit,
+                               async_save=mode is AsyncMode.ASYNC, after_commit=on_published,
+                               storage=plugin.checkpoint_storage)
+
+    def _save_shards(self, directory: Path, model: nn.Module, *, step: int,
+                     extra: Optional[dict[str, Any]] = None) -> None:
+        """A temporary sharded save (of the final weights, of a state dict): synchronous, the plain layout."""
+        save_checkpoint(directory, model, step=step, plugin=self.session.plugin, extra=extra, barrier=self.barrier)
+
+    def load(self, directory: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+             scheduler: Any = None, *, restore_rng: bool = True) -> dict[str, Any]:
+        """Restore this rank's model shard (optimizer, scheduler, RNG) from ``directory``, any saved world size."""
+        return load_checkpoint(directory, model, optimizer, scheduler, restore_rng=restore_rng)
+
+    @staticmethod
+    def restore_rng(directory: PathLike, model: nn.Module) -> None:
+        """Restore the RNG states this rank saved in ``directory``."""
+        restore_rng_state(directory, model)
+
+    @staticmethod
+    def wait() -> Optional[Union[str, Path]]:
+        """Wait for the background save in flight (if any) and raise its failure; its directory, or None."""
+        return wait_for_pending_save()
+
+    @contextlib.contextmanager
+    def pending_saves_end(self) -> Iterator[None]:
+        """On leaving, a checkpoint still being written in the background is published (or its failure raised); if
+        the body failed, that failure is the one raised and the save's is logged."""
+        import logging
+
+        try:
+            yield
+        except BaseException:
+            try:
+                self.wait()
+            except Exception as err:
+                logging.getLogger(__name__).error("%s", err)
+            raise
+        self.wait()
+
+    @staticmethod
+    def numbered(root: PathLike, prefix: str) -> list[Path]:
+        """``<prefix><N>`` directories under ``root``, oldest (lowest N) first."""
+        root = Path(root)
+        pattern = re.compile(re.escape(prefix) + r"(\d+)")
+        found = [p for p in root.iterdir() if p.is_dir() and pattern.fullmatch(p.name)] if root.is_dir() else []
+        return sorted(found, key=lambda p: int(pattern.fullmatch(p.name).group(1)))
+
+    def rotate(self, root: PathLike, prefix: str, keep: int) -> None:
+        """Keep the newest ``keep`` ``<prefix><N>`` checkpoints under ``root`` (call on the main process)."""
+        for old in self.numbered(root, prefix)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ----------------------------------------------------------------- from_pretrained-ready outputs
+    def save_pretrained(self, model: nn.Module, output: PathLike, *, is_main: bool, step: int = 0,
+                        extra: Optional[dict[str, Any]] = None, side_files: Optional[Callable[[Path], None]] = None,
+                        dtype: Optional[str] = None, max_shard_size: Union[int, str, None] = None,
+                        progress: bool = True) -> Path:
+        """A ``from_pretrained``-ready directory from a wrapped model: every process saves its shard, then the main
+        process streams them into safetensors merged into ``output`` (for a PEFT model: peft's adapter files, or the
+        merged model with the plugin's ``merge_adapters``). Every process calls it.
+
+        ``output`` may already hold other things (``checkpoint-*`` directories, logs): they stay; weight files of an
+        earlier save are replaced as a whole. ``side_files(dir)`` adds files (config, tokenizer, ...) next to the
+        shards before consolidation, which copies them. ``dtype`` and ``max_shard_size`` default to the plugin's
+        ``consolidate_dtype`` / ``consolidate_max_shard_size``.
+        """
+        from ..checkpoint.consolidate import consolidate_into
+
+        plugin = self.session.plugin
+        output = Path(output)
+        shards = output.parent / f".{output.name}.sharded-{step}"  # the same name on every rank, no coordination
+        self._save_shards(shards, model, step=step, extra=extra)
+        if is_main:
+            try:
+                if side_files is not None:
+                    side_files(shards)
+                if self.is_peft(model):
+                    self._write_peft(shards, output, progress)
+                else:
+                    consolidate_into(shards, output, dtype=dtype or plugin.consolidate_dtype,
+                                     max_shard_size=max_shard_size or plugin.consolidate_max_shard_size,
+                                     progress=progress)
+            finally:
+                shutil.rmtree(shards, ignore_errors=True)
+        if self.barrier is not None:
+            self.barrier("hf_xla_fsdp.save_consolidated.done")
+        return output
+
+    def is_peft(self, model: nn.Module) -> bool:
+        """True for a PEFT model (adapters inside the FSDP units)."""
+        from ..export.peft import is_peft_model
+
+        return is_peft_model(self.session.engine.unwrap(model))
+
+    def _write_peft(self, ckpt: Path, output: Path, progress: bool) -> None:
+        """A PEFT model's final save: peft's adapter files, or with ``merge_adapters`` the merged full model."""
+        from ..checkpoint.consolidate import consolidate_into, load_config
+        from ..checkpoint.readers import open_checkpoint
+        from ..export.peft import consolidate_adapters, merged_outputs
+
+        plugin = self.session.plugin
+        if plugin.merge_adapters:
+            consolidate_into(ckpt, output, dtype=plugin.consolidate_dtype, max_shard_size=plugin.consolidate_max_shard_size,
+                             progress=progress, plan_transform=merged_outputs)
+        else:
+            ranks = open_checkpoint(ckpt)
+            consolidate_adapters(ranks, load_config(None, ranks), output, side_sources=[ckpt])
+
+    def full_state_dict(self, model: nn.Module, *, is_main: bool, call: int) -> dict[str, torch.Tensor]:
+        """The full, unsharded state dict with the original names on the main process (``{}`` elsewhere).
+
+        Every process calls it with the same ``call`` number. Each rank's shard goes to a temporary sharded
+        checkpoint that the main process reads back tensor by tensor (``HF_XLA_FSDP_TMPDIR`` picks where; it must
+        be visible to every process of the run).
+        """
+        from ..checkpoint.consolidate import read_full_state_dict
+        from ..runtime import multi_process
+
+        root = Path(os.environ.get("HF_XLA_FSDP_TMPDIR") or tempfile.gettempdir())
+        # the same name on every process of this run without communication: the launcher's pid and a counter
+        launcher = os.getppid() if multi_process() else os.getpid()
+        tmp = root / f"hf_xla_fsdp-state-{launcher}-{call}"
+        try:
+            self._save_shards(tmp, model, step=0)
+            return read_full_state_dict(tmp) if is_main else {}
+        finally:
+            if self.barrier is not None:
+                self.barrier("hf_xla_fsdp.state_dict.read")
+            if is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def staged_directory(save_directory: PathLike, write: Callable[[Path], None]) -> None:
+        """``write(stage)`` into a staging directory beside ``save_directory``, then merged into it (the main
+        process only): a failed save leaves ``save_directory`` as it was."""
+        from ..checkpoint.layout import merge_into
+
+        save_directory = Path(save_directory)
+        save_directory.parent.mkdir(parents=True, exist_ok=True)
+        stage = save_directory.parent / f".{save_directory.name}.save-{uuid.uuid4().hex[:8]}"
+        try:
+            write(stage)
+            merge_into(stage, save_directory)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+    @staticmethod
+    def check_state_dict(inner: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Refuse a state dict of another model before anything is written."""
+        from ..checkpoint.consolidate import expected_tensors
+
+        config = getattr(inner, "config", None)
+        if config is None:
+            return
+        expected, tied = expected_tensors(config)
+        problems = [f"{k} is not in {type(inner).__name__}" for k in state_dict if k not in expected]
+        problems += [f"{k} is missing" for k in expected if k not in state_dict and k not in tied]
+        problems += [f"{k} has shape {list(v.shape)}, the model {list(expected[k])}" for k, v in state_dict.items()
+                     if k in expected and tuple(v.shape) != tuple(expected[k])]
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise ConfigError(f"the state_dict does not belong to this model: {'; '.join(problems[:3])}{more}")

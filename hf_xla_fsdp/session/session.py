@@ -1,0 +1,165 @@
+"""``XlaFsdpSession``: one XLA FSDP run, under every entry point.
+
+A session is built once from an :class:`~hf_xla_fsdp.plugin.XlaFsdpPlugin`. It resolves the engine once and
+owns everything the entry points share: the runtime set-up, building and wrapping models, readying optimizers
+and data loaders, clipping, preemption and checkpointing (:class:`~.checkpoints.CheckpointManager`).
+``XlaFsdpAccelerator`` owns one; ``XlaFsdpTrainer`` uses its accelerator's; ``XlaFsdpPlugin.build`` and
+``.wrap`` make a short-lived one. The engine never changes during a session: the plugin's settings are fixed
+when it is made (a changed plugin makes a new session).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..engines import engine_for, is_wrapped, unit_classes
+from ..errors import ConfigError
+from .checkpoints import CheckpointManager
+from .preemption import PreemptionGuard
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from ..plugin import XlaFsdpPlugin
+
+
+class XlaFsdpSession:
+    """The plugin's settings with their engine, and what every entry point does with them (see the module)."""
+
+    def __init__(self, plugin: "XlaFsdpPlugin", *, barrier: Optional[Callable[[str], None]] = None) -> None:
+        self.plugin = plugin
+        #: the FSDP engine, resolved once
+        self.engine = engine_for(plugin)
+        self.checkpoints = CheckpointManager(self, barrier=barrier)
+        self._preemption: Optional[PreemptionGuard] = None
+
+    def __repr__(self) -> str:
+        return f"XlaFsdpSession({self.engine.title}, sharding={self.plugin.sharding!r})"
+
+    # ----------------------------------------------------------------- runtime
+    def setup_runtime(self, *, counted_processes: Optional[int] = None, what: str = "this process") -> None:
+        """Prepare the XLA runtime for the engine, before any XLA tensor exists (idempotent).
+
+        ``counted_processes``: how many processes a launcher has already counted (accelerate's state); when the
+        runtime can no longer be set up for the engine (FSDP v2 needs SPMD before the device is first used), one
+        line says what to add to the script (``what`` names who used the device first).
+        """
+        if counted_processes is not None and not self.engine.runtime_ready(counted_processes):
+            raise ConfigError(self.engine.runtime_too_late(what))
+        self.engine.setup_runtime(self.plugin, what=what)
+
+    # ----------------------------------------------------------------- models
+    def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
+                    dtype: torch.dtype = torch.float32, progress: bool = True, wrap_root: bool = True,
+                    peft_config: Any = None) -> nn.Module:
+        """Build ``source`` (a config, a ``config.json`` or a local pretrained directory) wrapped with XLA FSDP.
+
+        With the plugin's ``meta_init`` (the default) each block is materialized, wrapped and sharded in turn, so the
+        whole model never exists on the host; otherwise the model is built eagerly and then wrapped (the reference
+        path). ``wrap_root=False`` stops before the outer unit (see :meth:`finish_wrapping`). ``peft_config`` (a
+        ``peft.LoraConfig``) attaches adapters on ``meta`` first and returns the wrapped ``PeftModel``.
+        """
+        from ..modeling.meta_init import build_eager, build_sharded, resolve_source
+
+        src = resolve_source(source)
+        self.setup_runtime()
+        if not self.plugin.meta_init:
+            eager = build_eager(src, model_cls=model_cls, dtype=dtype)
+            if peft_config is not None:
+                from ..modeling.adapters import require_peft
+
+                eager = require_peft().get_peft_model(eager, peft_config)
+            return self.wrap_model(eager) if wrap_root else eager
+        return build_sharded(src, self.plugin, wrap_block=self._wrap_block, wrap_root=self._wrap_root if wrap_root else None,
+                             model_cls=model_cls, dtype=dtype, progress=progress, peft_config=peft_config)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``."""
+        from ..modeling.wrapping import plan_blocks, replace_submodule
+
+        self._check_not_wrapped(model)
+        if any(p.is_meta for p in model.parameters()):
+            raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
+        self.setup_runtime()
+        plan = plan_blocks(model, self.plugin)
+        for name in plan.names:
+            replace_submodule(model, name, self._wrap_block(model.get_submodule(name), plan.nested))
+        return self._wrap_root(model)
+
+    def finish_wrapping(self, model: nn.Module) -> nn.Module:
+        """The model with its outer unit: wrapped whole when nothing is yet, else only the root added (after a
+        ``build_model(..., wrap_root=False)`` and whatever the caller did to the model in between)."""
+        if not is_wrapped(model):
+            return self.wrap_model(model)
+        if not isinstance(model, unit_classes()):
+            return self._wrap_root(model)
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the FSDP units."""
+        return self.engine.unwrap(model)
+
+    def _wrap_block(self, block: nn.Module, nested: bool) -> nn.Module:
+        return self.engine.wrap_block(block, self.plugin, nested)
+
+    def _wrap_root(self, model: nn.Module) -> nn.Module:
+        return self.engine.wrap_root(model, self.plugin)
+
+    @staticmethod
+    def _check_not_wrapped(model: nn.Module) -> None:
+        """Refuse a model that already holds XLA FSDP units: wrapping twice would shard shards."""
+        if is_wrapped(model):
+            unit = next((type(m).__name__ for m in model.modules() if isinstance(m, unit_classes())), "XLA FSDP")
+            raise ConfigError(f"{type(model).__name__} is already wrapped with {unit}; pass the unwrapped model to "
+                              "XlaFsdpPlugin.wrap (or use it as it is)")
+
+    # ----------------------------------------------------------------- training
+    def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Ready ``optimizer`` (built from the wrapped ``model``'s parameters) for the engine; returns it."""
+        self.engine.prepare_optimizer(model, optimizer)
+        return optimizer
+
+    def prepare_loader(self, loader: Any) -> Any:
+        """An XLA device loader adjusted for the engine (FSDP v2: every batch split over all devices)."""
+        return self.engine.prepare_loader(loader, self.plugin)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients over every shard of every rank; returns the total norm."""
+        return self.engine.clip_grad_norm(model, max_norm, norm_type)
+
+    def original_names(self, model: nn.Module) -> dict[str, str]:
+        """Wrapped parameter name -> the user's parameter name (a flattened group maps to its flat name)."""
+        return self.engine.original_names(model)
+
+    def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
+        """Wrapped parameter name -> the user's names of every parameter it holds."""
+        return self.engine.parameter_origins(model)
+
+    # ----------------------------------------------------------------- preemption
+    @property
+    def preemption(self) -> Optional[PreemptionGuard]:
+        """The SIGTERM guard once :meth:`watch_preemption` installed it (None before, or when switched off)."""
+        return self._preemption
+
+    def watch_preemption(self) -> bool:
+        """With ``save_on_preemption``, record SIGTERM from now on instead of dying (main thread only); True when
+        the guard is installed. :meth:`stop_watching_preemption` gives the previous handler back."""
+        if not self.plugin.save_on_preemption:
+            return False
+        if self._preemption is None:
+            self._preemption = PreemptionGuard()
+        return self._preemption.install()
+
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM has arrived while watched."""
+        return self._preemption is not None and self._preemption.received
+
+    def stop_watching_preemption(self) -> None:
+        """Give SIGTERM its previous handler back."""
+        if self._preemption is not None:
+            self._preemption.restore()

@@ -1,0 +1,166 @@
+"""The private (or fragile) upstream APIs hf_xla_fsdp relies on, in one list, each checked against what is installed.
+
+Our Trainer and accelerate glue override private methods of ``transformers.Trainer`` and ``accelerate.Accelerator``;
+the start-up code patches ``TrainingArguments._setup_devices``; meta construction hooks transformers' weight
+init; FSDP v1 units override torch_xla's ``_shard_parameters_``. A release that renames one of them, or changes the
+parameters we call or receive, would otherwise surface as an ``AttributeError`` or a ``TypeError`` deep inside a
+training step. :func:`require` runs before each part uses them (the Trainer and accelerate integrations when
+imported, meta construction and FSDP v1 units when first used): a missing or changed API is one line naming it and
+the installed version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Optional
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One upstream API we rely on: ``target`` is ``"module:Attr.attr"``; ``params`` the parameter names we call it
+    with or receive (in order, ``self`` excluded; None: only that it exists); ``user`` the part of hf_xla_fsdp that
+    relies on it; ``why`` what it does with it. An API we *override* (upstream calls our version) must keep exactly
+    these parameters; one we *call* may gain trailing ones."""
+
+    package: str
+    user: str
+    target: str
+    params: Optional[tuple[str, ...]]
+    why: str
+    override: bool = True
+
+
+def _t(target: str, params: Optional[tuple[str, ...]], why: str, user: str = "trainer", override: bool = True
+       ) -> Upstream:
+    return Upstream("transformers", user, target, params, why, override)
+
+
+def _a(target: str, params: Optional[tuple[str, ...]], why: str, override: bool = True) -> Upstream:
+    return Upstream("accelerate", "accelerate", target, params, why, override)
+
+
+_TRAINER = "transformers.trainer:Trainer"
+_ACCELERATOR = "accelerate.accelerator:Accelerator"
+
+RELIED_ON: tuple[Upstream, ...] = (
+    # transformers: the Trainer methods XlaFsdpTrainerMixin overrides (same parameters), and what they call
+    _t(f"{_TRAINER}._wrap_model", ("model", "training", "dataloader"), "never a second FSDP wrap"),
+    _t(f"{_TRAINER}._set_signature_columns_if_needed", (), "columns from the model inside the FSDP units"),
+    _t(f"{_TRAINER}._build_accelerator_args", ("kwargs",), "accelerate's autocast kept off (compute_dtype instead)"),
+    _t(f"{_TRAINER}.create_accelerator_and_postprocess", (), "XlaFsdpAccelerator as the accelerator"),
+    _t(f"{_TRAINER}._save_checkpoint", ("model", "trial"), "sharded rank checkpoints"),
+    _t(f"{_TRAINER}._load_from_checkpoint", ("resume_from_checkpoint", "model"), "refuse foreign checkpoints"),
+    _t(f"{_TRAINER}._load_optimizer_and_scheduler", ("checkpoint",), "resume from this rank's file"),
+    _t(f"{_TRAINER}._load_rng_state", ("checkpoint",), "RNG of this rank"),
+    _t(f"{_TRAINER}._load_best_model", (), "load_best_model_at_end from sharded checkpoints"),
+    _t(f"{_TRAINER}.call_model_init", ("trial",), "model_init's model built and wrapped"),
+    _t(f"{_TRAINER}.get_decay_parameter_names", ("model",), "weight decay by the original names"),
+    _t(f"{_TRAINER}._get_output_dir", ("trial",), "where checkpoint-N goes", override=False),
+    _t(f"{_TRAINER}._push_from_checkpoint", ("checkpoint_folder",), "Hub pushes of published checkpoints", override=False),
+    _t(f"{_TRAINER}.store_flos", (), "trainer state of a checkpoint", override=False),
+    _t("transformers.trainer_utils:rotate_checkpoints",
+       ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"), "save_total_limit", override=False),
+    _t("transformers.trainer:TRAINER_STATE_NAME", None, "trainer_state.json of a checkpoint"),
+    _t("transformers.training_args:TrainingArguments._setup_devices", None,
+       "patched: FSDP v2 starts SPMD before accelerate's PartialState takes the device"),
+    # transformers: weight init, replayed block by block on meta
+    _t("transformers.modeling_utils:PreTrainedModel._initialize_weights", ("module", "is_custom_code"),
+       "meta construction records every init call", "modeling"),
+    _t("transformers.modeling_utils:PreTrainedModel._from_config", ("config", "kwargs"), "models built on meta",
+       "modeling", override=False),
+    _t("transformers.initialization:guard_torch_init_functions", (), "init of loaded tensors skipped", "modeling",
+       override=False),
+    _t("transformers.initialization:no_init_weights", (), "skeletons without init draws", "modeling", override=False),
+    # accelerate: the Accelerator methods XlaFsdpAccelerator overrides, and its internals it reads
+    _a(f"{_ACCELERATOR}._get_named_parameters", ("args", "drop_refs"), "XLA's by-name optimizer re-mapping kept off"),
+    _a(f"{_ACCELERATOR}.prepare", ("args", "device_placement"), "optimizers re-pointed at sharded parameters"),
+    _a(f"{_ACCELERATOR}.prepare_model", ("model", "device_placement", "evaluation_mode"), "models wrapped once"),
+    _a(f"{_ACCELERATOR}.prepare_optimizer", ("optimizer", "device_placement"), "optimizer groups re-pointed"),
+    _a(f"{_ACCELERATOR}.prepare_data_loader", ("data_loader", "device_placement", "slice_fn_for_dispatch"),
+       "FSDP v2 input sharding"),
+    _a(f"{_ACCELERATOR}.backward", ("loss", "kwargs"), "no second gradient all-reduce"),
+    _a(f"{_ACCELERATOR}.clip_grad_norm_", ("parameters", "max_norm", "norm_type"), "norm over every shard"),
+    _a(f"{_ACCELERATOR}.get_state_dict", ("model", "unwrap"), "full weights from shards"),
+    _a(f"{_ACCELERATOR}.unwrap_model", ("model", "keep_fp32_wrapper", "keep_torch_compile"), "save_pretrained of shards"),
+    _a(f"{_ACCELERATOR}.save_state", ("output_dir", "safe_serialization", "save_model_func_kwargs"),
+       "sharded rank checkpoints"),
+    _a(f"{_ACCELERATOR}.load_state", ("input_dir", "load_kwargs", "load_model_func_kwargs"),
+       "resume from sharded rank checkpoints"),
+    _a(f"{_ACCELERATOR}.end_training", (), "pending background saves end"),
+    _a(f"{_ACCELERATOR}.save_iteration", None, "automatic checkpoint naming"),
+    _a("accelerate.state:GradientState.is_xla_gradients_synced", None, "no second gradient all-reduce"),
+    _a("accelerate.commands.config:default_config_file", None, "the YAML of a launch without --config_file"),
+    # torch_xla: FSDP v1 units cut each shard on the host
+    Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
+             "XlaFullyShardedDataParallel._shard_parameters_", ("params_to_shard",),
+             "FSDP v1 units built without a full-parameter copy on the device"),
+    Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
+             "XlaFullyShardedDataParallel._get_shard", ("tensor",), "the reference shard layout", override=False),
+)
+
+
+def resolve(target: str) -> Any:
+    """The object ``"module:Attr.attr"`` names (``AttributeError`` / ``ImportError`` when it is gone)."""
+    module, _, path = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+    return obj
+
+
+def _parameters(obj: Any) -> Optional[tuple[str, ...]]:
+    func = getattr(obj, "func", obj)  # a cached_property's function
+    func = getattr(func, "__func__", func)  # a staticmethod / classmethod
+    try:
+        names = tuple(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[1:] if names[:1] in (("self",), ("cls",)) else names
+
+
+def problem(entry: Upstream) -> Optional[str]:
+    """What is wrong with ``entry`` in the installed packages (None: it is there as we use it)."""
+    try:
+        obj = resolve(entry.target)
+    except (ImportError, AttributeError):
+        return f"{entry.target} is gone"
+    if entry.params is not None:
+        found = _parameters(obj)
+        relied = found if entry.override or found is None else found[:len(entry.params)]
+        if found is not None and relied != entry.params:
+            return f"{entry.target} takes ({', '.join(found)}), not ({', '.join(entry.params)})"
+    return None
+
+
+def installed_version(package: str) -> str:
+    """The installed version of distribution ``package`` ("not installed" when it is not)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def problems(user: Optional[str] = None) -> list[tuple[Upstream, str]]:
+    """Every API relied on by ``user`` (every part when None) that the installed packages lack or changed."""
+    return [(e, p) for e in RELIED_ON if user in (None, e.user) for p in [problem(e)] if p is not None]
+
+
+_checked: set[str] = set()
+
+
+def require(user: str) -> None:
+    """One line naming the first API relied on by ``user`` (``"trainer"``, ``"accelerate"``, ``"modeling"``,
+    ``"engine_v1"``) that the installed packages lack or changed; checked once per process."""
+    if user in _checked:
+        return
+    found = problems(user)
+    if found:
+        (entry, what), more = found[0], f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ConfigError(f"{entry.package} {installed_version(entry.package)} is not supported by hf_xla_fsdp: "
+                          f"{what}{more}; install a version this release supports (`hf-xla-fsdp env` lists them)")
+    _checked.add(user)

@@ -1,0 +1,76 @@
+"""The session under every entry point: the engine resolved once, units tagged with it, and the upstream APIs the
+integrations rely on checked against the installed versions."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import tiny_llama
+
+from hf_xla_fsdp import ConfigError, XlaFsdpPlugin, upstream
+from hf_xla_fsdp.checkpoint.codec import codec_of
+from hf_xla_fsdp.engines import ENGINES, fsdp_units
+from hf_xla_fsdp.plugin import ENGINE_TITLES
+
+
+def _count_engine_lookups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import hf_xla_fsdp.engines as engines
+    import hf_xla_fsdp.session.session as session_module
+
+    calls: list[int] = []
+    real = engines.engine_for
+
+    def counting(plugin: XlaFsdpPlugin):
+        calls.append(plugin.version)
+        return real(plugin)
+
+    monkeypatch.setattr(engines, "engine_for", counting)
+    monkeypatch.setattr(session_module, "engine_for", counting)
+    return calls
+
+
+@pytest.mark.parametrize("layers", [2, 6])
+def test_one_build_resolves_the_engine_once(monkeypatch, layers):
+    calls = _count_engine_lookups(monkeypatch)
+    model = XlaFsdpPlugin().build(tiny_llama(num_hidden_layers=layers), progress=False)
+    assert len([name for name, _ in fsdp_units(model)]) == layers + 1  # every block and the root are units
+    assert calls == [1]  # one lookup for the whole build, however many blocks
+
+
+def test_one_wrap_resolves_the_engine_once_and_tags_every_unit(monkeypatch):
+    from hf_xla_fsdp.modeling.meta_init import build_eager
+
+    calls = _count_engine_lookups(monkeypatch)
+    model = XlaFsdpPlugin(activation_checkpointing=True).wrap(build_eager(tiny_llama(num_hidden_layers=4)))
+    assert calls == [1]
+    units = [unit for _, unit in fsdp_units(model)]
+    assert len(units) == 5 and all(codec_of(unit) is ENGINES[1] for unit in units)
+
+
+def test_plugin_versions_are_the_engines():
+    assert {v: e.title for v, e in ENGINES.items()} == ENGINE_TITLES
+    with pytest.raises(ConfigError, match="version=3 is not valid; allowed values: 1 = FSDP v1"):
+        XlaFsdpPlugin(version=3)
+
+
+def test_every_upstream_api_we_rely_on_is_installed_as_we_use_it():
+    found = upstream.problems()
+    assert not found, "\n".join(f"{e.target}: {why}" for e, why in found)
+
+
+def test_a_changed_upstream_api_is_one_line(monkeypatch):
+    import transformers.trainer
+
+    def moved(self, model, trial, extra):  # a release that changed what the Trainer passes
+        return None
+
+    monkeypatch.setattr(transformers.trainer.Trainer, "_save_checkpoint", moved)
+    monkeypatch.setattr(upstream, "_checked", set())
+    with pytest.raises(ConfigError) as err:
+        upstream.require("trainer")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("transformers 5.")
+    assert "Trainer._save_checkpoint takes (model, trial, extra), not (model, trial)" in message
+    monkeypatch.delattr(transformers.trainer.Trainer, "_load_best_model")
+    monkeypatch.setattr(upstream, "_checked", set())
+    with pytest.raises(ConfigError, match=r"(and 1 more)"):
+        upstream.require("trainer")
