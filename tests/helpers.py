@@ -3,7 +3,7 @@ one process (see XLA_ON_CPU.md), torch_xla's own consolidation as the reference,
 subprocesses with the XLA environment.
 
 Test modules import it as ``from helpers import ...`` (pytest puts tests/ on sys.path); so do the
-scripts the tests start (tests/spmd_worker.py), which cannot import conftest's fixtures.
+scripts the tests start (tests/scripts/), which cannot import conftest's fixtures.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ import torch
 from transformers import BertConfig, GPT2Config, LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+#: worker scripts the tests start, and (user/) scripts written the way users write them
+SCRIPTS = TESTS / "scripts"
+USER_SCRIPTS = SCRIPTS / "user"
 
 # hf_xla_fsdp and torch_xla are imported inside the functions below: conftest imports this module, and
 # a test process should load the package only when a test uses it (some tests check what gets imported)
@@ -162,7 +166,7 @@ def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
 
 
 # --------------------------------------------------------------------------- N real processes
-WORKERS = Path(__file__).resolve().parent / "workers"
+WORKERS = SCRIPTS
 
 
 def free_port() -> int:

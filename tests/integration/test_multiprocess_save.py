@@ -1,4 +1,4 @@
-"""The save protocol with N real OS processes (tests/workers/ckpt_worker.py through helpers.run_ranks): each builds
+"""The save protocol with N real OS processes (tests/scripts/ckpt_worker.py through helpers.run_ranks): each builds
 its own rank's FSDP v1 state, and they coordinate through torch.distributed (gloo on 127.0.0.1): every rank reports
 its files to rank 0, which marks the checkpoint complete from the reports alone."""
 

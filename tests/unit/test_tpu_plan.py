@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_python, tiny_llama
+from helpers import SCRIPTS, run_python, tiny_llama
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
 from hf_xla_fsdp.planning.tpu import TPU_GENERATIONS, chip_memory, format_plan, parse_slice, plan_tpu
 
 BIN = Path(sys.executable).parent
-WORKER = Path(__file__).resolve().parent / "tpu_plan_worker.py"
+WORKER = SCRIPTS / "tpu_plan_worker.py"
 # vocab 130 and odd widths: no parameter divides evenly, so every padding rule is exercised
 CONFIG = dict(vocab_size=130, hidden_size=72, intermediate_size=136, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_python
+from helpers import SCRIPTS, run_python
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
 
-WORKER = Path(__file__).resolve().parent / "spmd_worker.py"
+WORKER = SCRIPTS / "spmd_worker.py"
 
 
 def worker(mode: str, devices: int, *args: str, timeout: int = 600) -> dict:

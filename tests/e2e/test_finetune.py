@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import USER_SCRIPTS
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -17,7 +18,6 @@ from hf_xla_fsdp import ConfigError, XlaFsdpAccelerator, XlaFsdpPlugin
 from hf_xla_fsdp.cli import main as cli
 
 peft = pytest.importorskip("peft")
-ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {
     # tied input/output embeddings
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
@@ -193,11 +193,11 @@ def test_sft_trainer_with_one_swapped_import(tmp_path, engine, use_peft):
     pre = tmp_path / "pre"
     env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", USE_HF_XLA_FSDP="1",
                CPU_NUM_DEVICES="4" if engine == "v2" else "1")
-    made = subprocess.run([sys.executable, str(ROOT / "tests/user_scripts/make_pretrained.py"), str(pre)],
+    made = subprocess.run([sys.executable, str(USER_SCRIPTS / "make_pretrained.py"), str(pre)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "tests/user_scripts/sft.py"), "--model_name_or_path", str(pre / "llama"),
+    cmd = [sys.executable, str(USER_SCRIPTS / "sft.py"), "--model_name_or_path", str(pre / "llama"),
            "--output_dir", str(out), "--fsdp", "full_shard",
            "--fsdp_config", json.dumps({"xla": True, "xla_fsdp_v2": engine == "v2"}),
            "--max_steps", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
@@ -268,7 +268,7 @@ def test_lora_bf16_on_v2_resumes_from_a_trainer_checkpoint(tmp_path):
     """A stock Trainer script with peft LoRA, bf16=True and FSDP v2 on 4 devices: checkpoint-3 resumes exactly."""
     from helpers import run_python
 
-    script = ROOT / "tests" / "user_scripts" / "stock_trainer.py"
+    script = USER_SCRIPTS / "stock_trainer.py"
     cfg = tmp_path / "v2.json"
     cfg.write_text(json.dumps({"xla": True, "xla_fsdp_v2": True}))
 

@@ -1,5 +1,5 @@
 """Pods: the storage modes of a save with N = 4 real OS processes grouped as 2 simulated hosts ($HF_XLA_FSDP_HOST),
-coordinated through torch.distributed gloo on 127.0.0.1 (tests/workers/ckpt_worker.py through helpers.run_ranks).
+coordinated through torch.distributed gloo on 127.0.0.1 (tests/scripts/ckpt_worker.py through helpers.run_ranks).
 
 local: each host writes into its own "local disk" directory; object: files in place (an fsspec ``local://`` URL, or a
 path with checkpoint_storage='object'), the marker written last. Real GCS was not reachable here: gs:// is checked

@@ -1,7 +1,7 @@
 """Runs FSDP v2 (SPMD) scenarios in a fresh process with ``CPU_NUM_DEVICES`` devices; prints one JSON line.
 
 SPMD mode and the device count are fixed per process, so tests/test_spmd.py starts this script as
-``python tests/spmd_worker.py MODE [--replicas R] [--out DIR]`` with the environment it needs.
+``python tests/scripts/spmd_worker.py MODE [--replicas R] [--out DIR]`` with the environment it needs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
 import torch  # noqa: E402
 from helpers import tiny_llama  # noqa: E402

@@ -1,6 +1,6 @@
 """Bytes each XLA device really holds for FSDP v2 (SPMD): parameters, gradients and AdamW state of a tiny Llama.
 
-Started by tests/test_tpu_plan.py as ``python tests/tpu_plan_worker.py CONFIG_JSON`` with CPU_NUM_DEVICES set
+Started by tests/unit/test_tpu_plan.py as ``python tests/scripts/tpu_plan_worker.py CONFIG_JSON`` with CPU_NUM_DEVICES set
 (SPMD and the device count are fixed per process); prints one JSON line.
 """
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
 import torch  # noqa: E402
 from helpers import tiny_llama  # noqa: E402

@@ -1,6 +1,6 @@
-"""Build the local "pretrained" inputs that tests/user_scripts/clm_no_trainer.py is run on (no network).
+"""Build the local "pretrained" inputs that tests/scripts/user/clm_no_trainer.py is run on (no network).
 
-    python tests/user_scripts/make_pretrained.py OUT_DIR
+    python tests/scripts/user/make_pretrained.py OUT_DIR
 
 Writes OUT_DIR/train.txt and OUT_DIR/validation.txt (a deterministic English-like corpus), a byte-level
 BPE tokenizer trained on it, and two tiny models saved with ``save_pretrained``, each with the

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, build_ranks, fake_adam_state, save_ranks, tiny_llama, xla_env
+from helpers import ROOT, TESTS, build_ranks, fake_adam_state, save_ranks, tiny_llama, xla_env
 from helpers import consolidate as xla_consolidate
 
 from hf_xla_fsdp.checkpoint import load_checkpoint, staging_dir
@@ -132,7 +132,7 @@ while True:
 @pytest.mark.slow
 def test_sigkill_during_save_never_leaves_a_complete_looking_checkpoint(tmp_path):
     script = tmp_path / "saver.py"
-    script.write_text(CRASH_SAVER.format(tests=str(Path(__file__).parent)))
+    script.write_text(CRASH_SAVER.format(tests=str(TESTS)))
     root = tmp_path / "ckpts"
     import random
 

@@ -18,7 +18,7 @@ from typing import Optional
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "hf_xla_fsdp"
 PACKAGE_DIR = ROOT / PACKAGE
 MAX_CYCLES = 200  # enumeration is exponential in the worst case; enough to act on, bounded output

@@ -1,6 +1,6 @@
 """Supervised fine-tuning the way TRL's docs write it, with one swapped import when USE_HF_XLA_FSDP=1.
 
-    python tests/user_scripts/sft.py --model_name_or_path DIR --output_dir OUT --fsdp full_shard \
+    python tests/scripts/user/sft.py --model_name_or_path DIR --output_dir OUT --fsdp full_shard \
         --fsdp_config '{"xla": true}' [--use_peft] [--packing] [--completion_only_loss]
 
 Data: prompt/completion pairs made from the lines of DIR/../train.txt (the first words are the prompt).

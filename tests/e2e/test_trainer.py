@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, run_python
+from helpers import ROOT, USER_SCRIPTS, run_python
 
 from hf_xla_fsdp import ConfigError
 
@@ -295,7 +295,7 @@ def test_sharded_plus_consolidated_checkpoints_load_and_resume(tmp_path, llama_c
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
 
 
-V2_STOCK = ROOT / "tests" / "user_scripts" / "stock_trainer.py"
+V2_STOCK = USER_SCRIPTS / "stock_trainer.py"
 
 
 def run_stock_v2(out: Path, devices: int, **env_extra: str) -> subprocess.CompletedProcess:

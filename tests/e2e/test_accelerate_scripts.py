@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, USER_SCRIPTS
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "user_scripts"
+SCRIPTS = USER_SCRIPTS
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ is: plain ``accelerate`` calls only. The one line that differs from what users a
 swap of the Accelerator class below, so the very same script body runs with stock accelerate and
 with hf_xla_fsdp (``USE_HF_XLA_FSDP=1``):
 
-    accelerate launch --config_file CONFIG.yaml tests/user_scripts/clm_no_trainer.py \\
+    accelerate launch --config_file CONFIG.yaml tests/scripts/user/clm_no_trainer.py \\
         --model_name_or_path DIR --train_file train.txt --validation_file validation.txt --output_dir OUT
 
 Besides the model and tokenizer, OUT/all_results.json holds the final perplexity and eval loss and
