@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: quickstart test clean-venv
+.PHONY: quickstart test docs clean-venv
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,10 @@ quickstart: $(STAMP)
 # imports and compiles, which leave part of the 2 cores idle
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile tests
+
+# the documentation site (mkdocs.yml): strict, so a broken link or reference fails the build
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean-venv:
 	rm -rf $(VENV)
