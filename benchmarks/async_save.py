@@ -1,4 +1,4 @@
-"""Training stall per checkpoint save, synchronous against ``async_save=True`` (issue 15, item 2).
+"""Training stall per checkpoint save, synchronous against ``async_save=True``.
 
     python benchmarks/async_save.py            # the ~325M model of meta_init.py, 6 steps, a save every 2
 

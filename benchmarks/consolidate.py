@@ -2,7 +2,7 @@
 
     python benchmarks/consolidate.py [--workdir DIR] [--world-size 8]
 
-The same real torch_xla FSDP state (one process per rank, see XLA_ON_CPU.md, cached in --workdir) is
+The same real torch_xla FSDP state (one process per rank, each built with sharding_groups, cached in --workdir) is
 saved three ways: our rank files (safetensors), torch_xla's ``xm.save`` ``.pth`` files and the
 Trainer's ``rank*-of-*-pytorch_model.bin`` files (also ``xm.save``). ``hf-xla-fsdp consolidate`` turns
 each into the same safetensors model; the references are the stock tools: for ``.bin`` what
@@ -13,12 +13,12 @@ writing its consolidated ``.pth``. Every path runs in its own process, in the sa
 Prints JSON: per path the peak RSS (each child's own VmHWM, see _harness.py), the peak above the bare
 ``import torch`` (the CUDA build of torch 2.9.0 maps ~0.5-0.7 GB of libraries before any work), the
 time of the work and of the whole process; whether every output is identical to the reference's.
-Targets (issue 15, item 6), for every input format: peak above ``import torch`` <= 128 MiB + the
+Targets, for every input format: peak above ``import torch`` <= 128 MiB + the
 largest tensor, >= 5x below the reference's (both above ``import torch``), process time <= today's.
 ``above_imports_mib`` is the peak above the child's baseline after the imports its path needs: for our own rank
 files only ours (they carry their model's config, written back as JSON); for ``.pth`` / ``.bin`` files, checked
 against ``--config``, also transformers' config and model classes (~190 MiB above ``import torch`` here).
-Checksum cost (issue 15): our consolidation of the same rank files with their CRC-32C checksums checked, with
+Checksum cost: our consolidation of the same rank files with their CRC-32C checksums checked, with
 zlib's CRC-32 instead, and with no checksums (the tables removed, as an earlier version wrote them), each run
 --repeats times alternately (best and median of each reported; ``--checksums-only`` runs just this);
 target: checking costs <= 10 % of the unchecked time.

@@ -3,7 +3,7 @@ against eager construction (whole model on the host, then wrapped), each in its 
 
     python benchmarks/meta_init.py --world-size 8
 
-Prints JSON. Target (issue 2): meta peak <= model_bytes / N + 2 x largest block + baseline,
+Prints JSON. Target: meta peak <= model_bytes / N + 2 x largest block + baseline,
 where baseline is the RSS of a process that has imported everything and started the XLA runtime.
 Peaks are each child's own VmHWM (see _harness.py: a child's ru_maxrss includes this parent's peak).
 """

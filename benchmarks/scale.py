@@ -5,7 +5,7 @@
     python benchmarks/scale.py --compare-with 8651a6a           # the same build from another commit, same run
 
 Each build runs in a fresh child process (benchmarks/_harness.py; peak = the child's own VmHWM). Prints JSON
-with the target of issue 16: peak <= baseline + model / N + 1.5 x the largest FSDP unit, where baseline is
+with the target: peak <= baseline + model / N + 1.5 x the largest FSDP unit, where baseline is
 the child's RSS once everything is imported and the XLA runtime runs. The eager path (the whole model
 built on the host, then wrapped) is computed, not run: it needs at least the fp32 model plus the baseline.
 ``--compare-with REV`` exports commit REV of this repository (``git archive``) to a temporary directory and
@@ -26,7 +26,7 @@ from pathlib import Path
 from _harness import emit, mib, run_json_child, vm_hwm_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET_SECONDS = 90  # issue 16, rank 0 of 64 of the 7B config on a 2-core host
+TARGET_SECONDS = 90  # rank 0 of 64 of the 7B config on a 2-core host
 
 
 def child(config_json: str, world_size: int, rank: int) -> None:

@@ -1,5 +1,5 @@
 """What the tests share: tiny configs of real transformers models, real multi-rank FSDP v1 state made in
-one process (see XLA_ON_CPU.md), torch_xla's own consolidation as the reference, and a runner of Python
+one process (FSDP v1 with sharding_groups: no collectives), torch_xla's own consolidation as the reference, and a runner of Python
 subprocesses with the XLA environment.
 
 Test modules import it as ``from helpers import ...`` (pytest puts tests/ on sys.path); so do the

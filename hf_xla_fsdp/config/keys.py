@@ -129,7 +129,7 @@ def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], ali
         if key not in fields:
             raise ConfigError(
                 f"unknown key {raw_key!r} in {source}; allowed: {', '.join(_SPECIAL_KEYS)}, "
-                f"{', '.join(sorted(set(aliases) | fields))}, and accelerate's fsdp_* keys (see the README's table)"
+                f"{', '.join(sorted(set(aliases) | fields))}, and accelerate's fsdp_* keys (see docs/accelerate.md)"
             )
         out[key] = value
     if "sharding" in out:

@@ -115,6 +115,21 @@ def render_card(directory: Path, *, model_name: str, license: Optional[str] = No
     return card
 
 
+def write_card(directory: Path, *, model_name: Optional[str] = None, license: Optional[str] = None,
+               base_model: Optional[str] = None, datasets: Union[str, list[str], None] = None,
+               load_path: Optional[str] = None) -> Path:
+    """``README.md`` in the consolidated ``directory`` (a Trainer's ``create_model_card``); one line when it has no
+    consolidated model yet. ``model_name`` defaults to the last part of ``load_path`` or of the directory's name."""
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{directory} has no consolidated model yet; call trainer.save_model() first")
+    datasets = [datasets] if isinstance(datasets, str) else (list(datasets) if datasets else None)
+    name = model_name or (load_path or directory.name).split("/")[-1]
+    card = render_card(directory, model_name=name, license=license, base_model=base_model, datasets=datasets,
+                       load_path=load_path or str(directory))
+    card.save(str(directory / "README.md"))
+    return directory / "README.md"
+
+
 def push_folder(directory: Path, repo_id: str, *, private: bool = False, revision: Optional[str] = None,
                 token: Optional[str] = None) -> str:
     """``create_repo`` + ``upload_folder``; raises :class:`PushError` with one clear line on failure."""

@@ -350,18 +350,11 @@ class XlaFsdpTrainerMixin:
                           dataset_tags: Any = None, dataset: Union[str, list[str], None] = None,
                           dataset_args: Any = None) -> None:
         """README.md for ``output_dir`` from our model card template and the saved training record."""
-        from ..export.hub import render_card
+        from ..export.hub import write_card
 
-        if not self.is_world_process_zero():
-            return
-        output = Path(self.args.output_dir)
-        if not (output / "config.json").is_file():
-            raise ConfigError(f"{output} has no consolidated model yet; call trainer.save_model() first")
-        datasets = [dataset] if isinstance(dataset, str) else (list(dataset) if dataset else None)
-        name = model_name or (self.args.hub_model_id or output.name).split("/")[-1]
-        card = render_card(output, model_name=name, license=license, base_model=finetuned_from, datasets=datasets,
-                           load_path=self.args.hub_model_id or str(output))
-        card.save(str(output / "README.md"))
+        if self.is_world_process_zero():
+            write_card(Path(self.args.output_dir), model_name=model_name, license=license, base_model=finetuned_from,
+                       datasets=dataset, load_path=self.args.hub_model_id)
 
 
 class XlaFsdpTrainer(XlaFsdpTrainerMixin, Trainer):

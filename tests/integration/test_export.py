@@ -112,3 +112,16 @@ def test_python_api(tmp_path, sharded):
 
     result = export(sharded, tmp_path / "api", repo_id="org/name", progress=False)
     assert result == {"output": str(tmp_path / "api"), "model_name": "org/name", "pushed": None}
+
+
+def test_trainer_model_card_of_a_consolidated_directory(tmp_path, sharded):
+    """What XlaFsdpTrainer.create_model_card writes: the card of output_dir, named after the Hub id."""
+    from hf_xla_fsdp import ConfigError
+    from hf_xla_fsdp.export.hub import write_card
+
+    with pytest.raises(ConfigError, match="has no consolidated model yet; call trainer.save_model"):
+        write_card(tmp_path)
+    consolidate(sharded, tmp_path / "final", progress=False)
+    write_card(tmp_path / "final", load_path="me/tiny-llama", license="mit")
+    _check_card(tmp_path / "final", "tiny-llama")
+    assert ModelCard.load(tmp_path / "final" / "README.md").data.license == "mit"
