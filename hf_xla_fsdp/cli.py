@@ -72,13 +72,30 @@ def _no_xla_runtime() -> None:
         os.environ["USE_TORCH_XLA"] = "0"
 
 
+def _checkpoint_source(args: argparse.Namespace, positional: str = "ckpt") -> tuple[str, Optional[str]]:
+    """The checkpoint (positional, or torch_xla's ``--ckpt-prefix``) and the suffix to glob after it.
+
+    With ``--ckpt-prefix`` the two are joined as plain strings, as torch_xla's ``consolidate_sharded_ckpts`` and the
+    Trainer join them (suffix default ``*.pth``, as there)."""
+    given = getattr(args, positional)
+    if given is not None and args.ckpt_prefix is not None:
+        raise ConfigError(f"give the checkpoint either as {positional.upper()} or as --ckpt-prefix, not both")
+    if args.ckpt_prefix is not None:
+        return args.ckpt_prefix, args.ckpt_suffix if args.ckpt_suffix is not None else "*.pth"
+    if given is None:
+        raise ConfigError(f"give the checkpoint: {positional.upper()} (a checkpoint directory or a torch_xla prefix) or "
+                          "--ckpt-prefix PREFIX [--ckpt-suffix GLOB]")
+    return given, args.ckpt_suffix
+
+
 def cmd_consolidate(args: argparse.Namespace) -> int:
     """Consolidate FSDP rank files into a from_pretrained-ready safetensors directory."""
     _no_xla_runtime()
     from .export.peft import consolidate_checkpoint
 
+    ckpt, suffix = _checkpoint_source(args)
     summary = consolidate_checkpoint(
-        args.ckpt, args.output, merge_adapters=args.merge_adapters, ckpt_suffix=args.ckpt_suffix, config=args.config,
+        ckpt, args.output, merge_adapters=args.merge_adapters, ckpt_suffix=suffix, config=args.config,
         dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=not args.quiet,
     )
     print(json.dumps(summary, indent=2))
@@ -89,7 +106,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     """Check every rank file of a checkpoint (ids, sizes, every tensor's checksum) without consolidating it."""
     from .checkpoint.verify import verify_checkpoint
 
-    print(json.dumps(verify_checkpoint(args.ckpt, args.ckpt_suffix), indent=2))
+    print(json.dumps(verify_checkpoint(*_checkpoint_source(args)), indent=2))
     return 0
 
 
@@ -106,11 +123,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     _no_xla_runtime()
     from .export.hub import export
 
+    source, suffix = _checkpoint_source(args, "source")
     try:
         result = export(
-            args.source, args.output, repo_id=args.repo_id, push=args.push, private=args.private,
+            source, args.output, repo_id=args.repo_id, push=args.push, private=args.private,
             revision=args.revision, dtype=args.dtype, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-            ckpt_suffix=args.ckpt_suffix, config=args.config, license=args.license, base_model=args.base_model,
+            ckpt_suffix=suffix, config=args.config, license=args.license, base_model=args.base_model,
             datasets=args.dataset, merge_adapters=args.merge_adapters, progress=not args.quiet,
         )
     except PushError as err:
@@ -118,6 +136,15 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 3
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _prefix_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt-prefix", "--ckpt_prefix", default=None,
+                   help="torch_xla's spelling of the checkpoint: rank files are glob(PREFIX + SUFFIX), joined as plain "
+                        "strings (a directory needs its trailing slash: out/checkpoint-100/)")
+    p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None,
+                   help="glob after the prefix for torch_xla-style files (default *.pth), as torch_xla's "
+                        "consolidate_sharded_ckpts; e.g. 'rank*-of-*-pytorch_model.bin' for the Trainer's files")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,10 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("consolidate", help="merge FSDP rank files into a sharded safetensors model (streaming)")
-    p.add_argument("ckpt", help="an hf_xla_fsdp checkpoint dir, a Trainer checkpoint dir, or a torch_xla file prefix")
+    p.add_argument("ckpt", nargs="?", default=None,
+                   help="an hf_xla_fsdp checkpoint dir, a Trainer checkpoint dir, or a torch_xla file prefix")
     p.add_argument("--output", "-o", required=True, help="directory to write (must not exist, unless --overwrite)")
-    p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None,
-                   help="glob after the prefix for torch_xla-style files (default *.pth), as consolidate_sharded_ckpts")
+    _prefix_flags(p)
     p.add_argument("--config", default=None, help="model dir or config.json, when the rank files carry no config")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-shard-size", "--max_shard_size", default="5GB")
@@ -161,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_consolidate)
 
     p = sub.add_parser("verify", help="check every rank file of a checkpoint against its checksums (no consolidation)")
-    p.add_argument("ckpt", help="an hf_xla_fsdp checkpoint dir (also a Trainer checkpoint dir or a torch_xla file prefix)")
-    p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None, help="glob after the prefix for torch_xla-style files")
+    p.add_argument("ckpt", nargs="?", default=None,
+                   help="an hf_xla_fsdp checkpoint dir (also a Trainer checkpoint dir or a torch_xla file prefix)")
+    _prefix_flags(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gather", help="copy a local-mode checkpoint's parts from every host's directory into one")
@@ -172,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_gather)
 
     p = sub.add_parser("export", help="consolidated model + generated model card in DIR, optionally pushed to the Hub")
-    p.add_argument("source", help="a sharded checkpoint (as for consolidate) or an already consolidated directory")
+    p.add_argument("source", nargs="?", default=None,
+                   help="a sharded checkpoint (as for consolidate) or an already consolidated directory")
     p.add_argument("--output", "-o", required=True)
     p.add_argument("--repo-id", "--repo_id", default=None, help="ORG/NAME on the Hub (also the card's model name)")
     p.add_argument("--push", action="store_true", help="create the repo and upload DIR (needs a token and network)")
@@ -180,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="branch to push to")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-shard-size", "--max_shard_size", default="5GB")
-    p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None)
+    _prefix_flags(p)
     p.add_argument("--config", default=None)
     p.add_argument("--license", default=None)
     p.add_argument("--base-model", "--base_model", default=None, help="the model this one was fine-tuned from")

@@ -24,16 +24,12 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..settings import parse_dtype
-from .layout import MODEL_PREFIX, merge_into, prepare_output, publish, write_bytes_atomic
+from .layout import MODEL_PREFIX, SIDE_FILES, check_side_files, merge_into, prepare_output, publish, write_bytes_atomic
 from .readers import LAYOUT_PIECES, RankSet, clean_name, gather_rows, merge_pieces, open_checkpoint, read_pieces
 from .safetensors_io import dtype_from_name, write_safetensors_streaming
 
 logger = logging.getLogger(__name__)
 
-# files that make a consolidated directory usable as it is (tokenizer, generation settings)
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-              "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
-              "chat_template.json", "generation_config.json", "preprocessor_config.json")
 
 
 @dataclass
@@ -256,13 +252,17 @@ def consolidate(
 
     from .storage import is_url, local_path
 
-    ckpt = ckpt if is_url(ckpt) else local_path(ckpt)  # file:// is a plain path
+    if not is_url(ckpt):  # file:// is a plain path; a torch_xla prefix stays a string (its trailing slash matters)
+        ckpt = local_path(ckpt) if ckpt_suffix is None else os.fspath(ckpt).removeprefix("file://")
     if is_url(output):
         return _consolidate_to_url(ckpt, str(output), overwrite=overwrite, ckpt_suffix=ckpt_suffix, config=config,
                                    dtype=dtype, max_shard_size=max_shard_size, progress=progress,
                                    plan_transform=plan_transform)
     out_dtype = None if dtype == "auto" else parse_dtype(dtype, "dtype")
     ranks = open_checkpoint(ckpt, ckpt_suffix)
+    if ranks.marker:  # the side files this copies are checked before anything is written
+        fetched = getattr(ranks, "fetched", None)
+        check_side_files(fetched.path if fetched else Path(ranks.source), ranks.marker, SIDE_FILES)
     plan = plan_outputs(ranks)
     if plan_transform is not None:
         plan = plan_transform(ranks, plan)

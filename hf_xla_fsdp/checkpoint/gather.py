@@ -17,6 +17,7 @@ from typing import Any, Union
 
 from ..errors import CheckpointError
 from .layout import COMPLETE_MARKER, prepare_output, publish, write_bytes_atomic
+from .schema import marker_bytes, validate_marker
 from .storage import is_url, local_path, remote_fs
 
 
@@ -57,8 +58,11 @@ def _global_marker(sources: list[_Source]) -> tuple[dict[str, Any], _Source]:
     for src in sources:
         if COMPLETE_MARKER in src.names():
             try:
-                found.append((json.loads(src.read(COMPLETE_MARKER)), src))
-            except ValueError:
+                found.append((validate_marker(json.loads(src.read(COMPLETE_MARKER)), f"{src.display}/{COMPLETE_MARKER}"),
+                              src))
+            except CheckpointError:
+                raise
+            except (ValueError, RecursionError):
                 raise CheckpointError(f"{src.display}/{COMPLETE_MARKER} is truncated or corrupted") from None
     if not found:
         raise CheckpointError(f"none of {', '.join(s.display for s in sources)} holds {COMPLETE_MARKER}: include rank "
@@ -121,7 +125,7 @@ def gather_checkpoint(sources: list[Union[str, os.PathLike]], output: Union[str,
     copies = [(name, src) for name, src in sorted(where.items())]
     copies += [(f"{Path(name).stem}.json", src) for name, src in sorted(where.items())]
     final = {**marker, "gathered_from": [s.display for s in srcs]}
-    data = json.dumps(final, indent=1).encode()
+    data = marker_bytes(final)
     if is_url(output):
         _gather_to_url(str(output), copies, side, srcs, marker_src, data, overwrite)
     else:

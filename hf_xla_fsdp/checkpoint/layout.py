@@ -23,6 +23,13 @@ from ..errors import CheckpointError
 
 FORMAT = "hf_xla_fsdp.rank/1"
 COMPLETE_MARKER = "checkpoint_complete.json"
+# files that make a consolidated directory usable as it is (tokenizer, generation settings)
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
+              "chat_template.json", "generation_config.json", "preprocessor_config.json")
+#: side files whose SHA-256 the completion marker records (``side_files``): those consolidation copies, the
+#: model config and the training records
+DIGESTED_SIDE_FILES = (*SIDE_FILES, "config.json", "trainer_state.json", "xla_fsdp_training.json")
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 RNG_CPU = "rng/torch_cpu"
@@ -130,25 +137,52 @@ def safe_member(directory: Path, name: Any, source: Path) -> Path:
 
 
 def read_marker(directory: Path) -> dict[str, Any]:
-    """The completion marker of one of our checkpoint directories, validated."""
+    """The completion marker of one of our checkpoint directories: its own digest and its structure checked."""
+    from .schema import validate_marker
+
     path = directory / COMPLETE_MARKER
     if not path.is_file():
         if any(directory.glob("rank-*.safetensors")):
             raise CheckpointError(f"{directory} is incomplete (no {COMPLETE_MARKER}): its save did not finish")
         raise CheckpointError(f"{directory} is not an hf_xla_fsdp checkpoint (no {COMPLETE_MARKER})")
     try:
-        marker = json.loads(path.read_text())
-        files = marker["files"]
-        world = int(marker["world_size"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
-    if not isinstance(files, dict):
-        raise CheckpointError(f"{path} is corrupted: 'files' must map file names to their ids")
-    for name in files:
+        marker = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise CheckpointError(f"{path} is truncated or corrupted ({str(err).splitlines()[0][:200]})") from None
+    marker = validate_marker(marker, path)
+    for name in marker["files"]:
         safe_member(directory, name, path)
-    if len(files) != world:
-        raise CheckpointError(f"{path} lists {len(files)} rank files for a world of {world}")
     return marker
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in bounded chunks."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def with_side_digests(marker: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """``marker`` recording the SHA-256 of every side file of :data:`DIGESTED_SIDE_FILES` in ``directory``."""
+    digests = {n: file_sha256(directory / n) for n in DIGESTED_SIDE_FILES if (directory / n).is_file()}
+    return {**marker, "side_files": digests} if digests else marker
+
+
+def check_side_files(directory: Path, marker: dict[str, Any], names: Optional[Any] = None) -> None:
+    """The side files ``marker`` records a digest of (those of ``names`` only, if given) are intact."""
+    for name, want in sorted((marker.get("side_files") or {}).items()):
+        if names is not None and name not in names:
+            continue
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing, but {COMPLETE_MARKER} lists it; use an earlier checkpoint")
+        if file_sha256(path) != want:
+            raise CheckpointError(f"{path} is corrupted: its SHA-256 differs from the one {COMPLETE_MARKER} records; "
+                                  "use an earlier checkpoint")
 
 
 def latest_checkpoint(run_dir: Union[str, Path]) -> Optional[Path]:

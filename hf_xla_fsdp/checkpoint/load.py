@@ -13,6 +13,7 @@ from ..errors import CheckpointError
 from .codec import CheckpointCodec, codec_of
 from .layout import COMPLETE_MARKER, RNG_CPU, rank_file_stem, read_marker
 from .readers import LAYOUT_FLAT, LAYOUT_PIECES, RankFile, check_present, marker_layout, open_own
+from .schema import check_like
 from .state import restore_rng
 
 _LAYOUT_TITLES = {LAYOUT_FLAT: "FSDP v1", LAYOUT_PIECES: "FSDP v2 (SPMD)"}
@@ -51,6 +52,9 @@ def load_checkpoint(
     del fetched  # a local copy of a URL's files goes now
     meta = restored.meta
     if scheduler is not None and meta.get("scheduler") is not None:
+        source = (restored.rng_file.path if meta is restored.rng_file.meta
+                  else ckpt_dir / f"{rank_file_stem(0, int(marker['world_size']))}.safetensors").with_suffix(".json")
+        check_like(meta["scheduler"], scheduler.state_dict(), "scheduler", source, "scheduler")
         scheduler.load_state_dict(meta["scheduler"])
     if restore_rng:
         _restore_rng_from(restored.rng_file, engine)

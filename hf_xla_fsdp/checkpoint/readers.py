@@ -15,15 +15,16 @@ Nothing here imports torch_xla: consolidation runs on any machine with torch.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from ..errors import CheckpointError
+from . import schema
 from .checksums import TensorVerifier, note_unverified, table_digest
 from .layout import COMPLETE_MARKER, FORMAT, MODEL_PREFIX, OPTIM_PREFIX, rank_file_stem, read_marker, safe_member
 from .safetensors_io import SafetensorsReader, dtype_from_name
@@ -169,42 +170,95 @@ class RankFile:
 
 
 class SafetensorsRankFile(RankFile):
-    """Our format: ``rank-*.safetensors`` + ``rank-*.json``."""
+    """Our format: ``rank-*.safetensors`` + ``rank-*.json``.
 
-    def __init__(self, path: Path):
+    ``listed`` is the completion marker's entry for the file: its JSON's SHA-256 is checked against it before the
+    JSON is parsed, and its id after; every structure of the JSON is then validated (:mod:`.schema`) and cross-checked
+    with the tensor file's header, so a damaged file is one line naming the file and the entry, never a traceback.
+    """
+
+    def __init__(self, path: Path, listed: Optional[dict[str, Any]] = None):
         meta_path = path.with_suffix(".json")
         try:
             raw = meta_path.read_bytes()
-            meta = json.loads(raw)
         except FileNotFoundError:
             raise CheckpointError(f"{meta_path} is missing: the rank file {path.name} has no metadata") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{meta_path} is truncated or corrupted ({err})") from None
-        pieces = isinstance(meta, dict) and saved_layout(meta) == LAYOUT_PIECES
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT or ("shard_metadata" not in meta and not pieces):
+        self.meta_sha256 = schema.sha256_bytes(raw)
+        want = (listed or {}).get("meta_sha256")
+        if want is not None and self.meta_sha256 != want:
+            raise CheckpointError(f"{meta_path} is corrupted: its SHA-256 differs from the one {COMPLETE_MARKER} "
+                                  "records; use an earlier checkpoint")
+        try:
+            meta = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+            raise CheckpointError(f"{meta_path} is truncated or corrupted ({str(err).splitlines()[0][:200]})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"{meta_path} is not an hf_xla_fsdp rank file (format {FORMAT} expected)")
+        schema.validate_rank_meta(meta, meta_path, path.name)
+        if listed is not None and meta.get("file_id") != listed.get("file_id"):
+            raise CheckpointError(f"{path.name} does not belong to this checkpoint: it was written by a different save "
+                                  "or run")
+        pieces = saved_layout(meta) == LAYOUT_PIECES
         expected_size = meta.get("tensor_file_bytes")
         if expected_size is not None and path.stat().st_size != expected_size:
             raise CheckpointError(f"{path} is truncated or corrupted: {path.stat().st_size} bytes, {expected_size} expected")
         try:
             self._reader = SafetensorsReader(path)
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{path} is truncated or corrupted ({err})") from None
-        self.meta_sha256 = hashlib.sha256(raw).hexdigest()
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, UnicodeDecodeError, RecursionError,
+                OverflowError) as err:
+            raise CheckpointError(f"{path} is truncated or corrupted: its header cannot be read "
+                                  f"({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})") from None
+        if "header_sha256" in meta and self._reader.header_sha256() != meta["header_sha256"]:
+            raise CheckpointError(f"{path} is corrupted: its safetensors header differs from the one {meta_path.name} "
+                                  "records (header_sha256); use an earlier checkpoint")
         self._verifier: Optional[TensorVerifier] = None
         checksums = meta.get("checksums")
         if checksums:
-            if not isinstance(checksums, dict) or not isinstance(checksums.get("tensors"), dict):
-                raise CheckpointError(f"{meta_path} is corrupted: its 'checksums' entry is malformed")
+            listed_sums = (listed or {}).get("checksums")
+            if listed_sums is not None and table_digest(checksums) != listed_sums:
+                raise CheckpointError(f"{meta_path} is corrupted: its checksum table differs from the one "
+                                      f"{COMPLETE_MARKER} records; use an earlier checkpoint")
+            unlisted = sorted(set(self._reader.entries) ^ set(checksums["tensors"]))
+            if unlisted:
+                raise CheckpointError(f"{path} or {meta_path.name} is corrupted: tensor {unlisted[0]} is in only one of "
+                                      "the tensor file's header and the checksum table; use an earlier checkpoint")
             sizes = {name: self._reader.nbytes(name) for name in self._reader.entries}
             self._verifier = TensorVerifier(path, checksums, sizes, self._read_bytes)
         else:
             note_unverified(path.parent)
+        self._check_tensors(meta, meta_path)
         if pieces:  # per-tensor pieces in meta["tensors"], no flat-shard layout
             md = {"rank": int(meta["rank"]), "world_size": int(meta["world_size"]), "engine": LAYOUT_PIECES}
         else:
             md = decode_shard_metadata(meta["shard_metadata"])
         super().__init__(path, md["rank"], md["world_size"], md, meta)
+
+    def _check_tensors(self, meta: dict[str, Any], meta_path: Path) -> None:
+        """The JSON's description of the tensors agrees with the tensor file's header."""
+        entries = self._reader.entries
+        count = schema.optimizer_count(meta)
+        for name in entries:
+            if name.startswith(OPTIM_PREFIX):
+                idx, _, rest = name[len(OPTIM_PREFIX):].partition("/")
+                if not idx.isdigit() or not rest or (count is not None and int(idx) >= count):
+                    raise CheckpointError(f"{self.path} is corrupted: its optimizer tensor {name} names no parameter "
+                                          f"of the {count} in {meta_path.name}; use an earlier checkpoint")
+        if saved_layout(meta) == LAYOUT_PIECES:
+            for section in ("tensors",):
+                for tname, entry in (meta.get(section) or {}).items():
+                    dtype = dtype_from_name(entry["dtype"])
+                    for i, piece in enumerate(entry["pieces"]):
+                        found = entries.get(piece["key"])
+                        shape = tuple(b - a for a, b in zip(piece["start"], piece["stop"]))
+                        if found is None or found[0] != dtype or tuple(found[1]) != shape:
+                            have = "is not in the tensor file" if found is None else \
+                                f"is {list(found[1])} {found[0]} in the tensor file"
+                            raise CheckpointError(f"{meta_path} is corrupted: {section}[{tname!r}].pieces[{i}] "
+                                                  f"({piece['key']}, {list(shape)} {dtype}) {have}; use an earlier "
+                                                  "checkpoint")
+        else:
+            shapes = {n[len(MODEL_PREFIX):]: e[1] for n, e in entries.items() if n.startswith(MODEL_PREFIX)}
+            schema.check_flat_shards(meta["shard_metadata"], shapes, meta_path)
 
     def names(self) -> list[str]:
         return list(self._reader.entries)
@@ -271,8 +325,7 @@ class TorchRankFile(RankFile):
         if not isinstance(ckpt, dict) or "shard_metadata" not in ckpt or not isinstance(ckpt.get("model"), dict):
             raise CheckpointError(f"{path} is not an FSDP rank checkpoint (no 'model' and 'shard_metadata' entries)")
         md = ckpt["shard_metadata"]
-        if not isinstance(md, dict) or not all(k in md for k in ("shard_info", "flatten_info", "world_size", "rank")):
-            raise CheckpointError(f"{path} has an incomplete shard_metadata (needs shard_info, flatten_info, world_size, rank)")
+        schema.validate_shard_metadata(md, path)  # no marker, no digest: the schema is what protects these files
         self._tensors: dict[str, StoredTensor] = {}
         for key, value in ckpt["model"].items():
             if not isinstance(value, StoredTensor):
@@ -286,10 +339,9 @@ class TorchRankFile(RankFile):
                 if isinstance(value, StoredTensor):
                     self._tensors[f"{OPTIM_PREFIX}{idx}/{key}"] = value
         meta = {"optimizer": {"param_groups": optimizer.get("param_groups")}} if optimizer else {}
-        try:
-            rank, world = int(md["rank"]), int(md["world_size"])
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{path} has a shard_metadata whose rank or world_size is not a number") from None
+        shapes = {name[len(MODEL_PREFIX):]: t.shape for name, t in self._tensors.items() if name.startswith(MODEL_PREFIX)}
+        schema.check_flat_shards(md, shapes, path)
+        rank, world = md["rank"], md["world_size"]
         super().__init__(path, rank, world, md, meta)
 
     def names(self) -> list[str]:
@@ -338,18 +390,20 @@ def gather_rows(files: list[RankFile], name: str, start: int, stop: int) -> torc
     return out
 
 
-def open_rank_file(path: Path) -> RankFile:
-    """Open one rank file of any supported format."""
+def open_rank_file(path: Path, listed: Optional[dict[str, Any]] = None) -> RankFile:
+    """Open one rank file of any supported format (``listed``: its completion-marker entry, checked before use)."""
     if not path.is_file():
         raise CheckpointError(f"rank file {path} is missing")
     if path.suffix == ".safetensors":
-        return SafetensorsRankFile(path)
+        return SafetensorsRankFile(path, listed)
     return TorchRankFile(path)
 
 
 def check_file_id(f: RankFile, marker: dict[str, Any]) -> RankFile:
     """``f`` itself, once its id is the one the completion marker lists for it (not a stale file of another save)."""
-    listed = marker["files"].get(f.path.name) or {}
+    listed = marker["files"].get(f.path.name)
+    if listed is None:
+        raise CheckpointError(f"{f.path.name} is not listed in {COMPLETE_MARKER}")
     if f.meta.get("file_id") != listed.get("file_id"):
         raise CheckpointError(f"{f.path.name} does not belong to this checkpoint: it was written by a different save or run")
     digest = listed.get("checksums")
@@ -367,7 +421,8 @@ def open_listed(ckpt_dir: Path, marker: dict[str, Any], name: str) -> RankFile:
     """The rank file ``name`` that ``marker`` lists, checked to belong to this save."""
     if name not in marker["files"]:
         raise CheckpointError(f"{ckpt_dir / COMPLETE_MARKER} does not list {name}")
-    return check_file_id(SafetensorsRankFile(safe_member(ckpt_dir, name, ckpt_dir / COMPLETE_MARKER)), marker)
+    path = safe_member(ckpt_dir, name, ckpt_dir / COMPLETE_MARKER)
+    return check_file_id(SafetensorsRankFile(path, marker["files"][name]), marker)
 
 
 def open_own(ckpt_dir: Path, marker: dict[str, Any], rank: int, world: int) -> RankFile:
@@ -472,7 +527,9 @@ def open_checkpoint(ckpt: Union[str, Path], suffix: Optional[str] = None) -> Ran
     """Open every rank file of a checkpoint.
 
     ``ckpt`` is one of our checkpoint directories, a directory of Trainer ``rank*-of-*-pytorch_model.bin``
-    files, or a torch_xla-style prefix whose files are ``glob(ckpt + suffix)`` (suffix default ``*.pth``).
+    files, or a torch_xla-style prefix whose files are ``glob(ckpt + suffix)`` (suffix default ``*.pth``), the two
+    joined as plain strings exactly as torch_xla's ``consolidate_sharded_model_checkpoints`` does (so a directory
+    prefix needs its trailing slash: ``out/checkpoint-100/`` + ``rank*-of-*-pytorch_model.bin``).
     A URL (``memory://``, ``gs://``, ...) is fetched to a local temporary copy first: its marker, then only the
     files it lists (the copy lives as long as the returned set).
     """
@@ -488,7 +545,8 @@ def open_checkpoint(ckpt: Union[str, Path], suffix: Optional[str] = None) -> Ran
         if (path / COMPLETE_MARKER).is_file() or any(path.glob("rank-*.safetensors")):
             marker = read_marker(path)
             check_present(path, marker)
-            files = [open_rank_file(safe_member(path, name, path / COMPLETE_MARKER)) for name in sorted(marker["files"])]
+            files = [open_rank_file(safe_member(path, name, path / COMPLETE_MARKER), marker["files"][name])
+                     for name in sorted(marker["files"])]
             return RankSet(files, str(path), marker)
         trainer = sorted(path.glob("rank*-of-*-pytorch_model.bin"))
         if trainer:
@@ -496,10 +554,18 @@ def open_checkpoint(ckpt: Union[str, Path], suffix: Optional[str] = None) -> Ran
         raise CheckpointError(
             f"{path} holds no FSDP rank files (expected {COMPLETE_MARKER}, rank-*.safetensors or "
             "rank*-of-*-pytorch_model.bin); for torch_xla-style files pass their prefix and --ckpt-suffix")
-    pattern = str(ckpt) + (suffix if suffix is not None else "*.pth")
+    prefix = os.fspath(ckpt)
+    prefix = prefix[len("file://"):] if prefix.startswith("file://") else prefix
+    suffix = suffix if suffix is not None else "*.pth"
+    pattern = prefix + suffix  # joined as plain strings, exactly as torch_xla and the Trainer do
     paths = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_file())
     if not paths:
-        raise CheckpointError(f"no rank files match {pattern}")
+        if prefix and not prefix.endswith(os.sep) and os.path.isdir(prefix) and glob.glob(os.path.join(prefix, suffix)):
+            raise CheckpointError(
+                f"no rank files match {pattern}: the prefix and the suffix are joined as plain strings (as torch_xla "
+                f"does), and {prefix} is a directory; add the trailing slash: --ckpt-prefix {prefix}{os.sep}")
+        raise CheckpointError(f"no rank files match {pattern} (the prefix and the suffix are joined as plain strings, as "
+                              "torch_xla does: a directory prefix needs its trailing slash)")
     return RankSet([open_rank_file(p) for p in paths], pattern)
 
 

@@ -9,6 +9,7 @@ produced, so memory stays at one tensor however large the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -55,7 +56,9 @@ class SafetensorsReader:
             (n,) = struct.unpack("<Q", raw)
             if n > size - 8:
                 raise ValueError(f"header size {n} exceeds the file")
-            header = json.loads(fh.read(n))
+            head = fh.read(n)
+            header = json.loads(head)
+        self._header_digest = hashlib.sha256(raw + head).hexdigest()
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
@@ -88,6 +91,10 @@ class SafetensorsReader:
         if not buf:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def header_sha256(self) -> str:
+        """SHA-256 of the file's first bytes up to its tensor data (size field and JSON header)."""
+        return self._header_digest
 
     def nbytes(self, name: str) -> int:
         """Size of tensor ``name``'s data in bytes."""

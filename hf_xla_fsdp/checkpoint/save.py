@@ -37,7 +37,8 @@ from .layout import (
     write_bytes_atomic,
 )
 from .readers import LAYOUT_FLAT
-from .safetensors_io import write_safetensors_streaming
+from .safetensors_io import SafetensorsReader, write_safetensors_streaming
+from .schema import marker_bytes
 from .state import rng_meta
 from .storage import (
     SaveRound,
@@ -154,6 +155,7 @@ def _write_rank_files(out_dir: Path, snap: _Snapshot) -> tuple[Path, dict[str, A
         tmp.unlink(missing_ok=True)
         raise
     meta = {"format": FORMAT, "file_id": uuid.uuid4().hex, "tensor_file_bytes": tensor_path.stat().st_size,
+            "header_sha256": SafetensorsReader(tensor_path).header_sha256(),
             "checksums": {"algorithm": algorithm, "tensors": sums}, **snap.meta}
     data = json.dumps(meta, indent=1).encode()
     write_bytes_atomic(out_dir / f"{stem}.json", data)
@@ -229,7 +231,7 @@ def mark_complete(ckpt_dir: Union[str, Path], world_size: int,
         reports = [report_from_disk(ckpt_dir, rank, world_size) for rank in range(world_size)]
     marker = build_marker(ckpt_dir, world_size, reports)
     remove_stale(stage, marker)
-    write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+    write_bytes_atomic(stage / COMPLETE_MARKER, marker_bytes(marker))
     return stage
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .layout import OPTIM_PREFIX
+from .schema import check_like
 
 
 def param_names(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Callable[[str], str],
@@ -54,13 +55,18 @@ def optimizer_meta(model: nn.Module, optimizer: torch.optim.Optimizer, clean: Ca
 
 def saved_optimizer(meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
                     clean: Callable[[str], str],
-                    stand_ins: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None) -> dict[str, Any]:
-    """The saved optimizer metadata, once it matches ``optimizer``'s parameters and groups."""
+                    stand_ins: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
+                    source: Any = "the checkpoint") -> dict[str, Any]:
+    """The saved optimizer metadata, once it matches ``optimizer``'s parameters and groups (``source``: the file it
+    comes from, for messages)."""
     saved = meta.get("optimizer")
     if not saved:
-        raise CheckpointError("the checkpoint has no optimizer state; load it without an optimizer")
+        raise CheckpointError(f"{source} has no optimizer state; load it without an optimizer")
     if saved["param_names"] != param_names(model, optimizer, clean, stand_ins):
-        raise CheckpointError("the optimizer's parameters (or their groups) differ from the checkpoint's")
+        raise CheckpointError(f"the optimizer's parameters (or their groups) differ from those of {source}")
+    for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
+        # initial_lr is added by a scheduler, which may be created after the save's optimizer was
+        check_like(group, live, f"optimizer.param_groups[{i}]", source, "optimizer", skip=("params", "initial_lr"))
     return saved
 
 

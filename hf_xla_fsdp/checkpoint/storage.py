@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from ..errors import CheckpointError
-from .layout import COMPLETE_MARKER, FORMAT, fsync_dir, publish, staging_dir, write_bytes_atomic
+from .layout import COMPLETE_MARKER, FORMAT, fsync_dir, publish, staging_dir, with_side_digests, write_bytes_atomic
+from .schema import marker_bytes
 
 STORAGE_MODES = ("auto", "shared", "local", "object")
 HOST_ENV = "HF_XLA_FSDP_HOST"  # overrides the host name as a rank's host identity (simulated hosts in tests)
@@ -256,9 +257,12 @@ class Storage:
         """Rank 0: write the marker, run ``before_commit``, make the checkpoint visible."""
         stage = staging_dir(self.ckpt)
         remove_stale(stage, marker)
-        write_bytes_atomic(stage / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+        write_bytes_atomic(stage / COMPLETE_MARKER, marker_bytes(marker))
         if before_commit is not None:
-            before_commit(stage)
+            before_commit(stage)  # reads the marked stage (a consolidated copy), then its side files get digests
+            sealed = with_side_digests(marker, stage)
+            if sealed is not marker:
+                write_bytes_atomic(stage / COMPLETE_MARKER, marker_bytes(sealed))
         publish(stage, self.ckpt)
 
     def abort(self) -> None:
@@ -310,7 +314,7 @@ class InPlaceStorage(Storage):
         if before_commit is not None:
             before_commit(self.ckpt)
         fsync_dir(self.ckpt)
-        write_bytes_atomic(self.ckpt / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+        write_bytes_atomic(self.ckpt / COMPLETE_MARKER, marker_bytes(with_side_digests(marker, self.ckpt)))
         self.clean(marker)
 
     def clean(self, marker: dict[str, Any]) -> None:
@@ -347,7 +351,7 @@ class LocalStorage(InPlaceStorage):
 
     def copy_marker(self, marker: dict[str, Any]) -> None:
         """A host other than rank 0's, once rank 0 committed: the global marker, so resume finds it here."""
-        write_bytes_atomic(self.ckpt / COMPLETE_MARKER, json.dumps(marker, indent=1).encode())
+        write_bytes_atomic(self.ckpt / COMPLETE_MARKER, marker_bytes(marker))
         self.clean(marker)
 
     def prepare_commit(self, rnd: SaveRound) -> None:
@@ -464,7 +468,7 @@ class RemoteStorage(Storage):
             if not path.name.startswith(("rank-", ".")):
                 self.fs.put(str(path), self._remote(path.name), recursive=path.is_dir())
         listed = _listed(marker)
-        self.fs.pipe_file(self._remote(COMPLETE_MARKER), json.dumps(marker, indent=1).encode())
+        self.fs.pipe_file(self._remote(COMPLETE_MARKER), marker_bytes(with_side_digests(marker, spool)))
         for path in self.fs.ls(self.root, detail=False):
             name = path.rstrip("/").rsplit("/", 1)[-1]
             if _is_stale(name, listed):

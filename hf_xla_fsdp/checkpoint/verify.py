@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from .layout import check_side_files
 from .readers import open_checkpoint
 
 
@@ -19,6 +20,9 @@ def verify_checkpoint(ckpt: Union[str, os.PathLike], ckpt_suffix: Optional[str] 
     """
     start = time.perf_counter()
     ranks = open_checkpoint(ckpt, ckpt_suffix)
+    if ranks.marker:
+        fetched = getattr(ranks, "fetched", None)
+        check_side_files(fetched.path if fetched else Path(ranks.source), ranks.marker)
     tensors = nbytes = checksummed = 0
     algorithms = set()
     for f in ranks.files:

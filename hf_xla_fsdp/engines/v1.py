@@ -303,6 +303,9 @@ class XlaFsdpV1(Engine):
 
         def read(name: str, like: torch.Tensor) -> torch.Tensor:
             if files is None:
+                if first.shape(name) != tuple(like.shape):
+                    raise CheckpointError(f"{first.path} is corrupted: {name} is {list(first.shape(name))} there, "
+                                          f"{list(like.shape)} in this rank's model; use an earlier checkpoint")
                 return first.get(name)
             is_buffer = name.startswith(MODEL_PREFIX) and "_fsdp_shard" not in name
             if like.dim() == 0 or is_buffer:
@@ -323,7 +326,8 @@ class XlaFsdpV1(Engine):
 
     def _restore_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, first: RankFile, read: Any,
                            verified: Any) -> None:
-        saved = saved_optimizer(first.meta, model, optimizer, self.checkpoint_name)
+        saved = saved_optimizer(first.meta, model, optimizer, self.checkpoint_name,
+                                source=first.path.with_suffix(".json"))
         params = dict(model.named_parameters())
         flat_names = [n for group in saved["param_names"] for n in group]
         state: dict[int, dict[str, Any]] = {}

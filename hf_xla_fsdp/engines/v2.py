@@ -345,17 +345,18 @@ class XlaFsdpV2(Engine):
             master_weights(model).sync_params()
         meta = files[0].meta
         if optimizer is not None:
-            self._restore_optimizer(optimizer, model, meta, entries)
+            self._restore_optimizer(optimizer, model, meta, entries, files[0].path.with_suffix(".json"))
         rank, _ = self.rank_world(model)
         own: RankFile = files[rank % len(files)]
         return Restored(meta, own, {"saved_world_size": len(files), "saved_devices": meta.get("devices")})
 
     def _restore_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, meta: dict[str, Any],
-                           entries: dict[str, dict[str, Any]]) -> None:
+                           entries: dict[str, dict[str, Any]], source: Path) -> None:
         import torch_xla
 
         attach(model, optimizer)
-        saved = saved_optimizer(meta, model, optimizer, self.checkpoint_name, _stand_ins(model))
+        saved = saved_optimizer(meta, model, optimizer, self.checkpoint_name, _stand_ins(model),
+                                source=source)
         state: dict[int, dict[str, Any]] = {}
         for name, entry in entries.items():
             key = optimizer_tensor_key(name)

@@ -184,7 +184,8 @@ def export(
                   max_shard_size=max_shard_size, overwrite=overwrite, ckpt_suffix=ckpt_suffix, config=config,
                   license=license, base_model=base_model, datasets=datasets, token=token,
                   merge_adapters=merge_adapters, progress=progress)
-    source = source if is_url(source) else local_path(source)
+    if not is_url(source):  # a torch_xla prefix stays a string: its trailing slash matters
+        source = local_path(source) if ckpt_suffix is None else os.fspath(source).removeprefix("file://")
     if not is_url(output):
         return _export(source, local_path(output), shown=str(local_path(output)), load_path=str(local_path(output)),
                        **kwargs)
