@@ -185,19 +185,27 @@ class SafetensorsRankFile(RankFile):
             raise CheckpointError(f"{meta_path} is missing: the rank file {path.name} has no metadata") from None
         self.meta_sha256 = schema.sha256_bytes(raw)
         want = (listed or {}).get("meta_sha256")
+        digest_error = None
         if want is not None and self.meta_sha256 != want:
-            raise CheckpointError(f"{meta_path} is corrupted: its SHA-256 differs from the one {COMPLETE_MARKER} "
-                                  "records; use an earlier checkpoint")
+            digest_error = CheckpointError(f"{meta_path} is corrupted: its SHA-256 differs from the one "
+                                           f"{COMPLETE_MARKER} records; use an earlier checkpoint")
         try:
             meta = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
-            raise CheckpointError(f"{meta_path} is truncated or corrupted ({str(err).splitlines()[0][:200]})") from None
+            raise digest_error or CheckpointError(
+                f"{meta_path} is truncated or corrupted ({str(err).splitlines()[0][:200]})") from None
+        if listed is not None and isinstance(meta, dict) and isinstance(meta.get("file_id"), str) \
+                and meta["file_id"] != listed.get("file_id"):
+            raise CheckpointError(f"{path.name} does not belong to this checkpoint: its file_id is not the one "
+                                  f"{COMPLETE_MARKER} lists (written by a different save or run, or damaged)")
+        if digest_error is not None:
+            raise digest_error
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CheckpointError(f"{meta_path} is not an hf_xla_fsdp rank file (format {FORMAT} expected)")
         schema.validate_rank_meta(meta, meta_path, path.name)
         if listed is not None and meta.get("file_id") != listed.get("file_id"):
-            raise CheckpointError(f"{path.name} does not belong to this checkpoint: it was written by a different save "
-                                  "or run")
+            raise CheckpointError(f"{path.name} does not belong to this checkpoint: its file_id is not the one "
+                                  f"{COMPLETE_MARKER} lists")
         pieces = saved_layout(meta) == LAYOUT_PIECES
         expected_size = meta.get("tensor_file_bytes")
         if expected_size is not None and path.stat().st_size != expected_size:

@@ -163,7 +163,9 @@ def validate_marker(marker: Any, path: Union[str, Path]) -> dict[str, Any]:
     seen = set()
     for name, entry in files.items():
         where = f"files[{name!r}]"
-        match = _RANK_NAME.fullmatch(name) if isinstance(name, str) else None
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            c.fail(where, "names a path: only plain file names inside the checkpoint are allowed")
+        match = _RANK_NAME.fullmatch(name)
         if match is None:
             c.fail(where, "is not a rank file name (rank-RRRRR-of-WWWWW.safetensors)")
         rank, of = int(match.group(1)), int(match.group(2))

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import build_ranks, save_ranks, save_torch_xla_style, tiny_llama
 
+from hf_xla_fsdp.checkpoint.schema import marker_bytes
 from hf_xla_fsdp.cli import main
 
 
@@ -137,6 +138,8 @@ def test_path_traversal_in_marker_is_refused(capsys, tmp_path, ckpt):
     marker = json.loads((ckpt / "checkpoint_complete.json").read_text())
     marker["files"]["../../etc/passwd"] = marker["files"].pop("rank-00002-of-00003.safetensors")
     (ckpt / "checkpoint_complete.json").write_text(json.dumps(marker))
+    assert_refused(capsys, tmp_path, "does not match its own SHA-256", ckpt)
+    (ckpt / "checkpoint_complete.json").write_bytes(marker_bytes(marker))  # sealed again: the name itself is refused
     assert_refused(capsys, tmp_path, "only plain file names inside the checkpoint are allowed", ckpt)
 
 

@@ -133,6 +133,14 @@ def test_damaged_checksum_table_is_caught(ckpt, capsys):
     meta["checksums"]["tensors"][name] = "00000000"
     meta_path.write_text(json.dumps(meta))
     assert main(["verify", str(ckpt)]) == 2
+    err = capsys.readouterr().err.strip()  # the JSON's own SHA-256 in the marker catches it first
+    assert "rank-00001-of-00003.json is corrupted: its SHA-256 differs" in err and len(err.splitlines()) == 1
+    marker = json.loads((ckpt / COMPLETE_MARKER).read_text())  # a marker with only the checksum tables' digests
+    del marker["self_sha256"]
+    for entry in marker["files"].values():
+        del entry["meta_sha256"]
+    (ckpt / COMPLETE_MARKER).write_text(json.dumps(marker))
+    assert main(["verify", str(ckpt)]) == 2
     err = capsys.readouterr().err.strip()
     assert "rank-00001-of-00003.json is corrupted: its checksum table differs" in err and len(err.splitlines()) == 1
 
@@ -140,9 +148,10 @@ def test_damaged_checksum_table_is_caught(ckpt, capsys):
 def test_checkpoint_without_checksums_loads_with_one_note(tmp_path, ckpt, ranks, caplog):
     for meta_path in ckpt.glob("rank-*.json"):  # as an earlier version wrote them
         meta = json.loads(meta_path.read_text())
-        del meta["checksums"]
+        del meta["checksums"], meta["header_sha256"]
         meta_path.write_text(json.dumps(meta))
     marker = json.loads((ckpt / COMPLETE_MARKER).read_text())
+    del marker["self_sha256"]
     for entry in marker["files"].values():
         del entry["checksums"], entry["meta_sha256"]
     (ckpt / COMPLETE_MARKER).write_text(json.dumps(marker))
