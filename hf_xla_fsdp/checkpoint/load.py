@@ -11,7 +11,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from .codec import CheckpointCodec, codec_of
-from .layout import COMPLETE_MARKER, RNG_CPU, rank_file_stem, read_marker
+from .layout import COMPLETE_MARKER, RNG_CPU, check_side_files, rank_file_stem, read_marker
 from .readers import LAYOUT_FLAT, LAYOUT_PIECES, RankFile, check_present, marker_layout, open_own
 from .schema import check_like
 from .state import restore_rng
@@ -109,4 +109,6 @@ def _located(ckpt: Union[str, Path], needed: Callable[[dict[str, Any]], Optional
         path = local_path(ckpt)
     marker = read_marker(path)
     check_present(path, marker, needed(marker))
+    if fetched is None:  # the side files a resume may read (trainer state, config, tokenizer) are intact
+        check_side_files(path, marker)
     return fetched, path, marker

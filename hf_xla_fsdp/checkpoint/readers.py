@@ -208,6 +208,9 @@ class SafetensorsRankFile(RankFile):
                                   f"{COMPLETE_MARKER} lists")
         pieces = saved_layout(meta) == LAYOUT_PIECES
         expected_size = meta.get("tensor_file_bytes")
+        if (listed or {}).get("bytes") is not None and path.stat().st_size != listed["bytes"]:
+            raise CheckpointError(f"{path} is truncated or corrupted: {path.stat().st_size} bytes, {listed['bytes']} "
+                                  f"as {COMPLETE_MARKER} records")
         if expected_size is not None and path.stat().st_size != expected_size:
             raise CheckpointError(f"{path} is truncated or corrupted: {path.stat().st_size} bytes, {expected_size} expected")
         try:

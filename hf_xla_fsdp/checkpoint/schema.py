@@ -35,6 +35,11 @@ _STORAGE_MODES = ("shared", "local", "object")
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 Where = str
+_MARKER_KEYS = ("format", "engine", "world_size", "step", "run_id", "storage", "files", "hosts", "side_files",
+                SELF_DIGEST, "gathered_from")
+_RANK_META_KEYS = ("format", "file_id", "tensor_file_bytes", "header_sha256", "checksums", "rank", "world_size",
+                   "run_id", "step", "shard_metadata", "engine", "devices", "tensors", "optimizer", "scheduler", "rng",
+                   "model_config", "peft", "plugin", "extra")
 
 
 def canonical_sha256(obj: Any) -> str:
@@ -87,6 +92,15 @@ class _Check:
             hint = f" (it has {near[0]!r} instead)" if near else ""
             self.fail(where, f"lacks the entry {name!r}{hint}")
         return obj[name]
+
+    def known(self, obj: Mapping[Any, Any], where: Where, keys: Sequence[str]) -> None:
+        """No key of ``obj`` is one of ``keys`` with a character or two damaged (newer versions may add keys; a key
+        that differs from a known one by a flipped byte is damage)."""
+        for k in obj:
+            if isinstance(k, str) and k not in keys:
+                near = [n for n in keys if _close(k, n)]
+                if near:
+                    self.fail(where, f"has an entry {k!r} where {near[0]!r} belongs")
 
     def integer(self, value: Any, where: Where, low: int = 0, high: Optional[int] = None) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -149,6 +163,7 @@ def validate_marker(marker: Any, path: Union[str, Path]) -> dict[str, Any]:
     """The completion marker, digest and structure checked; its file names are plain ``rank-R-of-W.safetensors``."""
     c = _Check(path)
     c.mapping(marker, "its top level")
+    c.known(marker, "its top level", _MARKER_KEYS)
     if SELF_DIGEST in marker:
         recorded = marker[SELF_DIGEST]
         if canonical_sha256({k: v for k, v in marker.items() if k != SELF_DIGEST}) != recorded:
@@ -173,6 +188,7 @@ def validate_marker(marker: Any, path: Union[str, Path]) -> dict[str, Any]:
             c.fail(where, f"names rank {rank} of {of}, in a checkpoint of {world} ranks")
         seen.add(rank)
         c.mapping(entry, where)
+        c.known(entry, where, ("file_id", "bytes", "checksums", "meta_sha256", "header_sha256"))
         c.string(c.key(entry, "file_id", where), f"{where}.file_id")
         if "bytes" in entry:
             c.integer(entry["bytes"], f"{where}.bytes")
@@ -207,6 +223,7 @@ def validate_shard_metadata(md: Any, path: Union[str, Path], where: Where = "sha
     """``get_shard_metadata()`` as saved: in our JSON (lists, dtype names) or in a torch pickle (torch.Size, dtypes)."""
     c = _Check(path)
     c.mapping(md, where)
+    c.known(md, where, ("shard_info", "flatten_info", "buffer_info", "world_size", "rank"))
     world = c.integer(c.key(md, "world_size", where), f"{where}.world_size", low=1)
     c.integer(c.key(md, "rank", where), f"{where}.rank", high=world)
     shard_info = c.mapping(c.key(md, "shard_info", where), f"{where}.shard_info")
@@ -217,6 +234,7 @@ def validate_shard_metadata(md: Any, path: Union[str, Path], where: Where = "sha
             pat = f"{at}[{name!r}]"
             c.string(name, pat)
             c.mapping(info, pat)
+            c.known(info, pat, ("_orig_size", "_orig_name"))
             c.shape(c.key(info, "_orig_size", pat), f"{pat}._orig_size")
             if not c.string(c.key(info, "_orig_name", pat), f"{pat}._orig_name"):
                 c.fail(f"{pat}._orig_name", "is empty")
@@ -249,12 +267,14 @@ def validate_pieces(tensors: Any, path: Union[str, Path], where: Where = "tensor
         at = f"{where}[{name!r}]"
         c.string(name, at)
         c.mapping(entry, at)
+        c.known(entry, at, ("shape", "dtype", "pieces"))
         shape = c.shape(c.key(entry, "shape", at), f"{at}.shape")
         c.one_of(c.key(entry, "dtype", at), sorted(SAVED_DTYPES), f"{at}.dtype")
         boxes = []
         for i, piece in enumerate(c.seq(c.key(entry, "pieces", at), f"{at}.pieces")):
             pat = f"{at}.pieces[{i}]"
             c.mapping(piece, pat)
+            c.known(piece, pat, ("key", "start", "stop"))
             c.string(c.key(piece, "key", pat), f"{pat}.key")
             start = c.shape(c.key(piece, "start", pat), f"{pat}.start")
             stop = c.shape(c.key(piece, "stop", pat), f"{pat}.stop")
@@ -273,6 +293,7 @@ def validate_rank_meta(meta: Any, path: Union[str, Path], file_name: Optional[st
     """A ``rank-R-of-W.json``: every entry a reader (consolidation, verify, resume) uses, by type and range."""
     c = _Check(path)
     c.mapping(meta, "its top level")
+    c.known(meta, "its top level", _RANK_META_KEYS)
     world = c.integer(c.key(meta, "world_size", "its top level"), "'world_size'", low=1)
     rank = c.integer(c.key(meta, "rank", "its top level"), "'rank'", high=world)
     if file_name is not None:
@@ -287,6 +308,7 @@ def validate_rank_meta(meta: Any, path: Union[str, Path], file_name: Optional[st
         c.hexdigest(meta["header_sha256"], "'header_sha256'")
     if meta.get("checksums"):
         sums = c.mapping(meta["checksums"], "'checksums'")
+        c.known(sums, "'checksums'", ("algorithm", "tensors"))
         c.one_of(c.key(sums, "algorithm", "'checksums'"), _ALGORITHMS, "checksums.algorithm")
         for name, value in c.mapping(c.key(sums, "tensors", "'checksums'"), "checksums.tensors").items():
             c.hexdigest(value, f"checksums.tensors[{name!r}]", _HEX8)
@@ -326,6 +348,7 @@ def validate_optimizer_meta(optim: Any, path: Union[str, Path]) -> None:
     """Saved optimizer groups, parameter names and scalar state: one name per parameter index, each index once."""
     c = _Check(path)
     c.mapping(optim, "'optimizer'")
+    c.known(optim, "'optimizer'", ("param_groups", "scalar_state", "param_names"))
     groups = c.seq(c.key(optim, "param_groups", "'optimizer'"), "optimizer.param_groups")
     names = c.seq(c.key(optim, "param_names", "'optimizer'"), "optimizer.param_names", len(groups))
     indices: list[int] = []
@@ -356,9 +379,10 @@ def validate_rng(rng: Any, path: Union[str, Path]) -> None:
     """The Python, NumPy and XLA RNG states as :func:`.state.rng_meta` records them."""
     c = _Check(path)
     c.mapping(rng, "'rng'")
+    c.known(rng, "'rng'", ("python", "numpy", "xla"))
     if "python" in rng:
         version, state, gauss = c.seq(rng["python"], "rng.python", 3)
-        c.integer(version, "rng.python[0]")
+        c.one_of(version, (3,), "rng.python[0]")  # random.getstate()'s version since Python 3.2
         words = c.seq(state, "rng.python[1]", 625)
         for i, w in enumerate(words):
             c.integer(w, f"rng.python[1][{i}]", high=1 << 32)
@@ -421,6 +445,9 @@ def check_flat_shards(md: dict[str, Any], shapes: dict[str, tuple[int, ...]], pa
     shards of the whole world (``shapes``: model state-dict key -> shape in the file)."""
     c = _Check(path)
     world = int(md["world_size"])
+    for name in md.get("buffer_info", {}):
+        if name not in shapes:
+            c.fail("shard_metadata.buffer_info", f"names {name}, which is not a tensor of the rank file")
     for key, shape in shapes.items():
         parts = key.split(".")
         idx = next((i for i, p in enumerate(parts) if p.startswith("_fsdp_shard")), None)
