@@ -381,8 +381,6 @@ def test_resume_checks_scheduler_and_optimizer_groups_against_the_live_objects(m
 # --------------------------------------------------------------------------- torch_xla's .pth (no marker)
 def pth_cases(made, count: int, seed: int):
     rng = random.Random(seed)
-    from hf_xla_fsdp.checkpoint.torch_zip import TorchZipArchive  # noqa: F401 - the format is read without torch.load
-
     path = sorted(made.pth.glob("*.pth"))[1]
     ckpt = torch.load(path, weights_only=True)
     md = json.loads(json.dumps(ckpt["shard_metadata"], default=lambda o: str(o).removeprefix("torch.")))
@@ -394,7 +392,7 @@ def pth_cases(made, count: int, seed: int):
         if not candidates:
             continue
         new, what = apply(rng, md, kind, pick(rng, candidates))
-        if "buffer_info" in new:  # dtypes back as torch.dtype, as torch_xla pickles them
+        if isinstance(new.get("buffer_info"), dict):  # dtypes back as torch.dtype, as torch_xla pickles them
             for info in new["buffer_info"].values():
                 if isinstance(info, dict) and isinstance(info.get("_orig_dtype"), str):
                     info["_orig_dtype"] = getattr(torch, info["_orig_dtype"], info["_orig_dtype"])
