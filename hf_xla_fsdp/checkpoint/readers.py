@@ -255,18 +255,16 @@ class SafetensorsRankFile(RankFile):
                     raise CheckpointError(f"{self.path} is corrupted: its optimizer tensor {name} names no parameter "
                                           f"of the {count} in {meta_path.name}; use an earlier checkpoint")
         if saved_layout(meta) == LAYOUT_PIECES:
-            for section in ("tensors",):
-                for tname, entry in (meta.get(section) or {}).items():
-                    dtype = dtype_from_name(entry["dtype"])
-                    for i, piece in enumerate(entry["pieces"]):
-                        found = entries.get(piece["key"])
-                        shape = tuple(b - a for a, b in zip(piece["start"], piece["stop"]))
-                        if found is None or found[0] != dtype or tuple(found[1]) != shape:
-                            have = "is not in the tensor file" if found is None else \
-                                f"is {list(found[1])} {found[0]} in the tensor file"
-                            raise CheckpointError(f"{meta_path} is corrupted: {section}[{tname!r}].pieces[{i}] "
-                                                  f"({piece['key']}, {list(shape)} {dtype}) {have}; use an earlier "
-                                                  "checkpoint")
+            for tname, entry in meta["tensors"].items():
+                dtype = dtype_from_name(entry["dtype"])
+                for i, piece in enumerate(entry["pieces"]):
+                    found = entries.get(piece["key"])
+                    shape = tuple(b - a for a, b in zip(piece["start"], piece["stop"]))
+                    if found is None or found[0] != dtype or tuple(found[1]) != shape:
+                        have = "is not in the tensor file" if found is None else \
+                            f"is {list(found[1])} {found[0]} in the tensor file"
+                        raise CheckpointError(f"{meta_path} is corrupted: tensors[{tname!r}].pieces[{i}] "
+                                              f"({piece['key']}, {list(shape)} {dtype}) {have}; use an earlier checkpoint")
         else:
             shapes = {n[len(MODEL_PREFIX):]: e[1] for n, e in entries.items() if n.startswith(MODEL_PREFIX)}
             schema.check_flat_shards(meta["shard_metadata"], shapes, meta_path)
