@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 
 from ..errors import CheckpointError
 from .layout import COMPLETE_MARKER, FORMAT, fsync_dir, publish, staging_dir, with_side_digests, write_bytes_atomic
-from .schema import marker_bytes
+from .schema import SELF_DIGEST, marker_bytes
 
 STORAGE_MODES = ("auto", "shared", "local", "object")
 HOST_ENV = "HF_XLA_FSDP_HOST"  # overrides the host name as a rank's host identity (simulated hosts in tests)
@@ -397,7 +397,8 @@ class LocalStorage(InPlaceStorage):
         """After rank 0's commit, every other host gets a copy of the global marker, so a resume on that host
         (which reads only its own disk) finds it. Rank 0's marker is the commit point; a host killed before its copy
         has a complete host marker but no copy, and is resumed from an earlier checkpoint or after gathering."""
-        status = {"ok": committed, "side_files": self._side_files() if committed else {}} if rnd.rank == 0 else {}
+        status = {"ok": committed, "side_files": self._side_files() if committed else {},
+                  "marker": _read_json(self.ckpt / COMPLETE_MARKER) if committed else None} if rnd.rank == 0 else {}
         statuses = [json.loads(p) for p in together(
             self.display, "lost ranks after every rank had written (its completion marker, if any, is the truth)",
             lambda: rnd.gather("hf_xla_fsdp.save.marked", json.dumps(status).encode()))]
@@ -412,9 +413,14 @@ class LocalStorage(InPlaceStorage):
         if owner and rnd.rank != 0:
             # rank 0's side files (a Trainer's trainer_state.json, config, tokenizer) first: a resume on this host
             # reads them from its own disk, and the marker copy comes last
-            for name, data in statuses[0].get("side_files", {}).items():
+            sent = statuses[0].get("side_files", {})
+            for name, data in sent.items():
                 write_bytes_atomic(self.ckpt / name, base64.b64decode(data))
-            self.copy_marker(rnd.marker())
+            # rank 0's marker, so every copy is the same; digests only of the side files this host received
+            marker = statuses[0].get("marker") or rnd.marker()
+            digests = {n: d for n, d in (marker.get("side_files") or {}).items() if n in sent}
+            marker = {k: v for k, v in marker.items() if k not in ("side_files", SELF_DIGEST)}
+            self.copy_marker({**marker, "side_files": digests} if digests else marker)
 
 
 class RemoteStorage(Storage):

@@ -62,9 +62,9 @@ def test_same_world_reads_only_its_own_file(tmp_path, monkeypatch):
     opened = []
     real = rank_files.SafetensorsRankFile.__init__
 
-    def spy(self, path):
+    def spy(self, path, listed=None):
         opened.append(Path(path).name)
-        real(self, path)
+        real(self, path, listed)
 
     monkeypatch.setattr(rank_files.SafetensorsRankFile, "__init__", spy)
     target = build_ranks(config, 3, seed=5)[1]
