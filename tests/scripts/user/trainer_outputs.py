@@ -6,9 +6,9 @@
 
 The same script both ways: only the Trainer import differs (``STOCK=1``), so the files each writes for
 ``checkpoint-N`` and ``save_model()`` can be compared name by name. ``--lora true`` trains LoRA adapters (peft).
-``--record_dir DIR`` saves the base model (before the adapters) to DIR/base and, at every save, the logits of a fixed
-batch to DIR/step-N.safetensors (after training, with the best model loaded if asked: DIR/final.safetensors), so a
-test can check what each checkpoint reloads to.
+``--record_dir DIR`` (test instrumentation, see recording.py) saves the base model (before the adapters) to DIR/base
+and, at every save, the logits of a fixed batch to DIR/step-N.safetensors (after training, with the best model
+loaded if asked: DIR/final.safetensors), so a test can check what each checkpoint reloads to.
 """
 import os
 import sys
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from recording import RecordLogits
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, HfArgumentParser,
-                          LlamaConfig, TrainerCallback, TrainingArguments, set_seed)
+                          LlamaConfig, TrainingArguments, set_seed)
 
 if os.environ.get("STOCK") == "1":
     from transformers import Trainer
@@ -36,32 +37,6 @@ class ScriptArguments:
     num_samples: int = field(default=48)
 
 
-def fixed_batch(vocab: int) -> torch.Tensor:
-    """The batch whose logits are recorded."""
-    return torch.randint(1, vocab, (2, 16), generator=torch.Generator().manual_seed(123))
-
-
-class RecordLogits(TrainerCallback):
-    """After every checkpoint: the logits of the model as trained so far, on a fixed batch."""
-
-    def __init__(self, directory: Path, vocab: int) -> None:
-        self.directory, self.batch = directory, fixed_batch(vocab)
-
-    def record(self, model: torch.nn.Module, name: str) -> None:
-        from safetensors.torch import save_file
-
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            logits = model(input_ids=self.batch.to(next(model.parameters()).device)).logits.float().cpu()
-        model.train(was_training)
-        save_file({"logits": logits.contiguous()}, str(self.directory / f"{name}.safetensors"))
-
-    def on_save(self, args, state, control, model=None, **kwargs):
-        if args.should_save:
-            self.record(model, f"step-{state.global_step}")
-
-
 def main() -> None:
     script, args = HfArgumentParser((ScriptArguments, TrainingArguments)).parse_args_into_dataclasses()
     set_seed(args.seed)
@@ -73,7 +48,6 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config)
     record = Path(script.record_dir) if script.record_dir else None
     if record is not None:
-        record.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(record / "base")
     if script.lora:
         from peft import LoraConfig, get_peft_model
