@@ -283,10 +283,11 @@ class XlaFsdpTrainerMixin:
         """config.json, generation_config.json, tokenizer and training_args.json of the run.
 
         The tokenizer is the ``processing_class`` or, without one, the data collator's ``tokenizer`` (as the stock
-        ``Trainer._save`` falls back to it)."""
+        ``Trainer._save`` falls back to it). A PEFT model's directory gets no config.json, as peft's own save: beside
+        adapter files it would make ``from_pretrained(dir)`` look for the full model's weights there."""
         inner = self.xla_fsdp_session.unwrap(self.model)
         config = getattr(inner, "config", None)
-        if config is not None:
+        if config is not None and not self.xla_fsdp_session.checkpoints.is_peft(self.model):
             config.save_pretrained(str(directory))
         generation_config = getattr(inner, "generation_config", None)
         if generation_config is not None and getattr(inner, "can_generate", lambda: False)():

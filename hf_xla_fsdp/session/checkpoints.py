@@ -69,8 +69,9 @@ class CheckpointManager:
         preemption is always synchronous). ``adapters``: for a PEFT model, peft's adapter files join the rank
         files, so ``PeftModel.from_pretrained(base, directory)`` loads the checkpoint as it loads a stock
         Trainer's ``checkpoint-N`` (the rank files stay for an exact resume). With ``checkpoint_format
-        "sharded+consolidated"`` a PEFT model's consolidated copy is what its final save writes: the adapter
-        files, or with ``merge_adapters`` the merged model.
+        "sharded+consolidated"`` a PEFT model's consolidated copy is its adapter files, even with ``merge_adapters``
+        (which applies to the final save): a merged model beside adapter files would have ``from_pretrained(dir)``
+        apply the adapters a second time.
         """
         from ..checkpoint.consolidate import consolidate_into
 
@@ -87,9 +88,7 @@ class CheckpointManager:
                 side_files(stage)
             if peft and (adapters or consolidated):
                 self._write_peft(stage, stage, progress, merge=False)
-            if peft and consolidated and plugin.merge_adapters:
-                self._write_peft(stage, stage, progress, merge=True)
-            elif consolidated and not peft:
+            elif consolidated:
                 consolidate_into(stage, stage, dtype=plugin.consolidate_dtype,
                                  max_shard_size=plugin.consolidate_max_shard_size, progress=progress)
 

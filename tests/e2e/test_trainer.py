@@ -295,6 +295,37 @@ def test_sharded_plus_consolidated_checkpoints_load_and_resume(tmp_path, llama_c
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_lora_checkpoints_with_consolidated_copies_and_merge_adapters(tmp_path, llama_config):
+    """checkpoint_format sharded+consolidated with a PEFT model: the checkpoint's copy is the adapter files (never
+    a merged model beside them); merge_adapters merges the final save only."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from hf_xla_fsdp import XlaFsdpTrainer
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config).save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    cfg = {"xla": True, "checkpoint_format": "sharded+consolidated", "merge_adapters": True}
+    trainer = XlaFsdpTrainer(model=model, args=make_args(tmp_path / "out", cfg, save_strategy="steps", save_steps=2,
+                                                         max_steps=2, learning_rate=1e-2), train_dataset=token_dataset())
+    trainer.train()
+    trainer.save_model()
+    ckpt, out = tmp_path / "out" / "checkpoint-2", tmp_path / "out"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "rank-00000-of-00001.safetensors"} <= names
+    assert not {"model.safetensors", "config.json"} & names, names
+    batch = torch.randint(0, llama_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    adapters = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), ckpt).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()  # the final save: the merged model, no adapter files
+    assert not (out / "adapter_config.json").exists()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=batch).logits, adapters(input_ids=batch).logits, atol=1e-5, rtol=0)
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()(input_ids=batch).logits
+    assert (base - merged(input_ids=batch).logits).abs().max() > 1e-3  # the adapters are in it
+
+
 V2_STOCK = USER_SCRIPTS / "stock_trainer.py"
 
 
@@ -402,6 +433,7 @@ def test_outputs_have_the_stock_trainers_file_names(outputs):
             assert {"rank-00000-of-00001.safetensors", "rank-00000-of-00001.json", "checkpoint_complete.json",
                     "training_args.json"} <= mine
             assert ({"adapter_config.json", "adapter_model.safetensors"} <= mine) == (kind == "lora")
+            assert ("config.json" in mine) == (kind == "full")  # as peft's save: no config.json beside adapters
         theirs, mine = names(stock), names(ours)
         assert theirs - mine == set(NOT_WRITTEN["final" + suffix]), (kind, theirs, mine)
         # the tokenizer came only through the data collator (no processing_class), on both sides
