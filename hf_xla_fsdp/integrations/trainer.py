@@ -235,7 +235,8 @@ class XlaFsdpTrainerMixin:
 
     # ----------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        """A sharded checkpoint-N: rank files + trainer_state.json (+ config, tokenizer), published atomically."""
+        """A sharded checkpoint-N: rank files + trainer_state.json (+ config, tokenizer; for a PEFT model peft's
+        adapter files, as in a stock checkpoint-N), published atomically."""
         from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
@@ -276,19 +277,26 @@ class XlaFsdpTrainerMixin:
         checkpoints.save(output_dir, self.model, None if only_model else self._raw_optimizer(),
                          None if only_model else self.lr_scheduler, step=self.state.global_step,
                          extra={"trainer": True, **self._training_record()}, side_files=side_files,
-                         on_published=published)
+                         on_published=published, adapters=True)
 
     def _save_side_files(self, directory: Path) -> None:
-        """config.json, generation_config.json, tokenizer and training_args.json of the run."""
+        """config.json, generation_config.json, tokenizer and training_args.json of the run.
+
+        The tokenizer is the ``processing_class`` or, without one, the data collator's ``tokenizer`` (as the stock
+        ``Trainer._save`` falls back to it). A PEFT model's directory gets no config.json, as peft's own save: beside
+        adapter files it would make ``from_pretrained(dir)`` look for the full model's weights there."""
         inner = self.xla_fsdp_session.unwrap(self.model)
         config = getattr(inner, "config", None)
-        if config is not None:
+        if config is not None and not self.xla_fsdp_session.checkpoints.is_peft(self.model):
             config.save_pretrained(str(directory))
         generation_config = getattr(inner, "generation_config", None)
         if generation_config is not None and getattr(inner, "can_generate", lambda: False)():
             generation_config.save_pretrained(str(directory))
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(str(directory))
+        processor = self.processing_class
+        if processor is None:
+            processor = getattr(self.data_collator, "tokenizer", None)
+        if processor is not None:
+            processor.save_pretrained(str(directory))
         (directory / "training_args.json").write_text(self.args.to_json_string())
 
     def _training_record(self) -> dict[str, Any]:

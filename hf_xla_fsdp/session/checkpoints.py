@@ -60,27 +60,37 @@ class CheckpointManager:
     def save(self, directory: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler: Any = None, *, step: int, extra: Optional[dict[str, Any]] = None,
              side_files: Optional[Callable[[Path], None]] = None, on_published: Optional[Callable[[Any], None]] = None,
-             mode: Optional[AsyncMode] = None) -> Union[str, Path]:
+             mode: Optional[AsyncMode] = None, adapters: bool = False) -> Union[str, Path]:
         """A sharded checkpoint of ``model`` (and optimizer, scheduler) in ``directory``, published atomically.
 
         Every process calls it. ``side_files(dir)`` adds files beside the rank files before publication (rank 0);
         ``on_published(path)`` runs on the calling thread once the checkpoint is in place: at once for a synchronous
         save, when it is waited for otherwise. ``mode`` overrides the plugin's (e.g. the last save before a
-        preemption is always synchronous).
+        preemption is always synchronous). ``adapters``: for a PEFT model, peft's adapter files join the rank
+        files, so ``PeftModel.from_pretrained(base, directory)`` loads the checkpoint as it loads a stock
+        Trainer's ``checkpoint-N`` (the rank files stay for an exact resume). With ``checkpoint_format
+        "sharded+consolidated"`` a PEFT model's consolidated copy is its adapter files, even with ``merge_adapters``
+        (which applies to the final save): a merged model beside adapter files would have ``from_pretrained(dir)``
+        apply the adapters a second time.
         """
         from ..checkpoint.consolidate import consolidate_into
 
         mode = mode or self.mode
         plugin = self.session.plugin
+        peft = self.is_peft(model)
+        consolidated = plugin.checkpoint_format == "sharded+consolidated"
+        progress = self.progress and mode is AsyncMode.SYNC
 
         def before_commit(stage: Path) -> None:
-            """Rank 0, every rank file marked complete: side files (and a consolidated copy) join before publication."""
+            """Rank 0, every rank file marked complete: side files (adapter files, a consolidated copy) join
+            before publication."""
             if side_files is not None:
                 side_files(stage)
-            if plugin.checkpoint_format == "sharded+consolidated":
+            if peft and (adapters or consolidated):
+                self._write_peft(stage, stage, progress, merge=False)
+            elif consolidated:
                 consolidate_into(stage, stage, dtype=plugin.consolidate_dtype,
-                                 max_shard_size=plugin.consolidate_max_shard_size,
-                                 progress=self.progress and mode is AsyncMode.SYNC)
+                                 max_shard_size=plugin.consolidate_max_shard_size, progress=progress)
 
         return save_checkpoint(directory, model, optimizer, scheduler, step=step, plugin=plugin, extra=extra,
                                barrier=self.barrier if mode is AsyncMode.SYNC else None, before_commit=before_commit,
@@ -161,7 +171,7 @@ class CheckpointManager:
                 if side_files is not None:
                     side_files(shards)
                 if self.is_peft(model):
-                    self._write_peft(shards, output, progress)
+                    self._write_peft(shards, output, progress, merge=plugin.merge_adapters)
                 else:
                     consolidate_into(shards, output, dtype=dtype or plugin.consolidate_dtype,
                                      max_shard_size=max_shard_size or plugin.consolidate_max_shard_size,
@@ -178,19 +188,22 @@ class CheckpointManager:
 
         return is_peft_model(self.session.engine.unwrap(model))
 
-    def _write_peft(self, ckpt: Path, output: Path, progress: bool) -> None:
-        """A PEFT model's final save: peft's adapter files, or with ``merge_adapters`` the merged full model."""
+    def _write_peft(self, ckpt: Path, output: Path, progress: bool, *, merge: bool) -> None:
+        """A PEFT model's ``from_pretrained``-ready files from the sharded checkpoint ``ckpt``, merged into ``output``:
+        peft's adapter files (only the adapter tensors are read), or with ``merge`` the merged full model."""
         from ..checkpoint.consolidate import consolidate_into, load_config
         from ..checkpoint.readers import open_checkpoint
         from ..export.peft import consolidate_adapters, merged_outputs
 
         plugin = self.session.plugin
-        if plugin.merge_adapters:
+        if merge:
             consolidate_into(ckpt, output, dtype=plugin.consolidate_dtype, max_shard_size=plugin.consolidate_max_shard_size,
                              progress=progress, plan_transform=merged_outputs)
         else:
             ranks = open_checkpoint(ckpt)
-            consolidate_adapters(ranks, load_config(None, ranks), output, side_sources=[ckpt])
+            # the side files (tokenizer, ...) are already there when the adapters join their own checkpoint
+            consolidate_adapters(ranks, load_config(None, ranks), output,
+                                 side_sources=[] if output == ckpt else [ckpt])
 
     def full_state_dict(self, model: nn.Module, *, is_main: bool, call: int) -> dict[str, torch.Tensor]:
         """The full, unsharded state dict with the original names on the main process (``{}`` elsewhere).

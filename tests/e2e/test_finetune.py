@@ -201,8 +201,10 @@ def test_sft_trainer_with_one_swapped_import(tmp_path, engine, use_peft):
            "--output_dir", str(out), "--fsdp", "full_shard",
            "--fsdp_config", json.dumps({"xla": True, "xla_fsdp_v2": engine == "v2"}),
            "--max_steps", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
-           "--logging_steps", "2", "--max_length", "64", "--pad_to_multiple_of", "64", "--save_strategy", "no",
-           "--seed", "3"] + (["--use_peft", "--learning_rate", "1e-2"] if use_peft else ["--bf16", "false"])
+           "--logging_steps", "2", "--max_length", "64", "--pad_to_multiple_of", "64", "--seed", "3"]
+    # LoRA: checkpoint-4 and checkpoint-8, with the logits at each (see recording.py); full weights: no checkpoints
+    cmd += (["--use_peft", "--learning_rate", "1e-2", "--save_steps", "4", "--record_dir", str(tmp_path / "rec")]
+            if use_peft else ["--bf16", "false", "--save_strategy", "no"])
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
@@ -221,6 +223,20 @@ def test_sft_trainer_with_one_swapped_import(tmp_path, engine, use_peft):
     # fp32 training: the same loss up to summation order; bf16 training: the trainer evaluated with bf16 weights
     # and activations, the stock reload in fp32 (the adapters are saved from their fp32 master copies)
     assert abs(reloaded - results["eval_loss"]) < (1e-3 if engine == "v1" else 3e-2), (reloaded, results)
+    if use_peft:  # every checkpoint-N is also peft's adapter files: the model of step N (bf16 training, as above)
+        sys.path.insert(0, str(USER_SCRIPTS))
+        from recording import fixed_batch
+        from safetensors.torch import load_file
+
+        batch = fixed_batch(json.loads((pre / "llama" / "config.json").read_text())["vocab_size"])
+        logits = {step: load_file(tmp_path / "rec" / f"step-{step}.safetensors")["logits"] for step in (4, 8)}
+        assert (logits[4] - logits[8]).abs().max() > 4e-2, "the two checkpoints must differ by more than the tolerance"
+        for step in (4, 8):
+            ckpt = out / f"checkpoint-{step}"
+            assert (ckpt / "rank-00000-of-00001.safetensors").is_file()  # the rank files stay, for resuming
+            model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pre / "llama"), ckpt).eval()
+            with torch.no_grad():
+                torch.testing.assert_close(model(input_ids=batch).logits, logits[step], atol=1e-2, rtol=0)
 
 
 V2_LORA = '''
@@ -264,32 +280,52 @@ def test_lora_on_fsdp_v2_over_four_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_bf16_on_v2_resumes_from_a_trainer_checkpoint(tmp_path):
-    """A stock Trainer script with peft LoRA, bf16=True and FSDP v2 on 4 devices: checkpoint-3 resumes exactly."""
+def test_lora_bf16_on_v2_checkpoints_are_adapters_and_resume(tmp_path):
+    """A user's Trainer script with peft LoRA, bf16=True and FSDP v2 on 4 devices: every checkpoint-N loads with
+    PeftModel.from_pretrained at step N's logits, and checkpoint-3 resumes exactly."""
     from helpers import run_python
 
-    script = USER_SCRIPTS / "stock_trainer.py"
+    script = USER_SCRIPTS / "trainer_outputs.py"
     cfg = tmp_path / "v2.json"
     cfg.write_text(json.dumps({"xla": True, "xla_fsdp_v2": True}))
 
-    def run(out: Path, *extra: str) -> dict:
+    def run(out: Path, *extra: str) -> dict[int, float]:
         res = run_python([script, "--lora", "true", "--bf16", "true", "--fsdp", "full_shard", "--fsdp_config", cfg,
                           "--output_dir", out, "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1",
                           "--learning_rate", "1e-2", "--per_device_train_batch_size", "8", "--report_to", "none",
-                          "--disable_tqdm", "true", *extra], devices=4, timeout=1200)
+                          "--disable_tqdm", "true", "--record_dir", out.parent / f"{out.name}-rec", *extra],
+                         devices=4, timeout=1200)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
-        return json.loads((out / "results.json").read_text())
+        history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+        return {e["step"]: e["loss"] for e in history if "loss" in e}
 
     full = run(tmp_path / "full")
-    losses = [loss for _, loss in full["losses"]]
-    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
     ckpt = tmp_path / "full" / "checkpoint-3"
     meta = json.loads(next(ckpt.glob("rank-*.json")).read_text())
     assert meta["peft"]["adapters"]["default"]["r"] == 4  # adapters, their optimizer state, RNG: all in the rank file
+    assert meta["engine"] == "spmd" and meta["devices"] == 4
+    # every checkpoint-N is also peft's adapter files: the model of step N, reloaded on the CPU in fp32. The trainer
+    # computed in bf16 (the adapters are saved from their fp32 masters): 1e-2 on logits of magnitude ~0.5, while
+    # steps 3 and 6 differ by ~9e-2
+    sys.path.insert(0, str(USER_SCRIPTS))
+    from recording import fixed_batch
+    from safetensors.torch import load_file
+
+    rec = tmp_path / "full-rec"
+    batch = fixed_batch(json.loads((rec / "base" / "config.json").read_text())["vocab_size"])
+    logits = {step: load_file(rec / f"step-{step}.safetensors")["logits"] for step in (3, 6)}
+    assert (logits[3] - logits[6]).abs().max() > 4e-2
+    for step in (3, 6):
+        reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(rec / "base"),
+                                                  tmp_path / "full" / f"checkpoint-{step}").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(input_ids=batch).logits, logits[step], atol=1e-2, rtol=0)
     resumed = run(tmp_path / "resumed", "--resume_from_checkpoint", str(ckpt))
     # steps 1-3 come back with checkpoint-3's trainer state, 4-6 are trained again: bf16 parameters, fp32 masters
-    # saved, so the resumed run logs exactly the uninterrupted run's losses
-    assert resumed["losses"] == full["losses"] and [s for s, _ in resumed["losses"]] == [1, 2, 3, 4, 5, 6]
+    # saved, so the resumed run logs the uninterrupted run's losses
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert all(resumed[s] == pytest.approx(full[s], abs=1e-6) for s in range(1, 7)), (resumed, full)
     saved = tmp_path / "full"
     assert (saved / "adapter_model.safetensors").is_file() and not (saved / "model.safetensors").exists()
     with safe_open(saved / "adapter_model.safetensors", "pt") as fh:

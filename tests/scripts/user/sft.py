@@ -41,6 +41,7 @@ class ScriptArguments:
     use_peft: bool = field(default=False, metadata={"help": "train LoRA adapters (peft) instead of all weights"})
     pass_path: bool = field(default=False, metadata={"help": "give the trainer the model path, not the model"})
     evaluate_saved: str = field(default="", metadata={"help": "only evaluate this saved output (model or adapters)"})
+    record_dir: str = field(default="", metadata={"help": "test instrumentation: the logits at every save go here"})
 
 
 def main() -> None:
@@ -68,8 +69,13 @@ def main() -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    callbacks = None
+    if ns.record_dir:  # not what a user writes: see recording.py
+        from recording import RecordLogits
+
+        callbacks = [RecordLogits(Path(ns.record_dir), len(tokenizer))]
     trainer = SFTTrainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=tokenizer, peft_config=peft_config)
+                         processing_class=tokenizer, peft_config=peft_config, callbacks=callbacks)
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
