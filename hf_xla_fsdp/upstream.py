@@ -3,10 +3,10 @@
 Our Trainer and accelerate glue override private methods of ``transformers.Trainer`` and ``accelerate.Accelerator``;
 the start-up code patches ``TrainingArguments._setup_devices`` and accelerate's ``gather_object``; meta construction
 hooks transformers' weight init; FSDP v1 units override torch_xla's ``_shard_parameters_``. A release that renames
-one of them, or changes the parameters we call or receive, would otherwise surface as an ``AttributeError`` or a ``TypeError`` deep inside a
-training step. :func:`require` runs before each part uses them (the Trainer and accelerate integrations when
-imported, meta construction and FSDP v1 units when first used): a missing or changed API is one line naming it and
-the installed version.
+one of them, or changes the parameters we call or receive, would otherwise surface as an ``AttributeError`` or a
+``TypeError`` deep inside a training step. :func:`require` runs before each part uses them (the Trainer and
+accelerate integrations when imported, meta construction and FSDP v1 units when first used): a missing or changed
+API is one line naming it and the installed version.
 """
 
 from __future__ import annotations

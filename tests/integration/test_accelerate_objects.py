@@ -11,14 +11,14 @@ import subprocess
 import sys
 import textwrap
 
+import accelerate.utils
 import pytest
 import torch
+
+# bound before any XlaFsdpAccelerator exists (the module fixture builds it), as at the top of a user's script
+from accelerate.utils import gather_object as gather_object_imported_early
 from helpers import ROOT, xla_env
 
-# bound before any XlaFsdpAccelerator exists, as `from accelerate.utils import gather_object` at a script's top is
-from accelerate.utils import gather_object as gather_object_imported_early  # noqa: I001
-
-import accelerate.utils
 from hf_xla_fsdp import XlaFsdpAccelerator, XlaFsdpPlugin, runtime
 
 
