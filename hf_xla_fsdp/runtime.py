@@ -1,7 +1,7 @@
-"""Small helpers over the XLA runtime: device, graph cuts, process rank/count, barriers and RNG.
+"""Small helpers over the XLA runtime: device, graph cuts, process rank/count, barriers, byte gathers and RNG.
 
 torch_xla is imported inside each function: importing it starts its runtime, which config-only
-users and consolidation never need. This module imports nothing of ours.
+users and consolidation never need. Of ours, this module imports only :mod:`hf_xla_fsdp.errors`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+
+from .errors import ConfigError
 
 
 def xla_device() -> torch.device:
@@ -95,6 +97,53 @@ def default_gather(tag: str, payload: bytes) -> list[bytes]:
 
         return list(xm.rendezvous(tag, payload))
     return [payload]
+
+
+#: the smallest all-gather buffer of :func:`all_gather_bytes`; payloads are padded to a power of two from here, so a
+#: run compiles one gather graph per size class rather than one per payload length
+GATHER_MIN_BYTES = 1 << 12
+
+
+def gather_buffer_size(length: int) -> int:
+    """The padded length all replicas send for a longest payload of ``length`` bytes: a power of two, at least
+    :data:`GATHER_MIN_BYTES`."""
+    size = GATHER_MIN_BYTES
+    while size < length:
+        size <<= 1
+    return size
+
+
+def all_gather_bytes(payload: bytes, tag: str = "hf_xla_fsdp.all_gather_bytes") -> list[bytes]:
+    """Every process's ``payload`` on every process, in process order.
+
+    Replica processes (FSDP v1, one device each): two XLA all-gathers on the training thread, the lengths and then
+    the bytes padded to :func:`gather_buffer_size` of the longest, so payloads of any length reuse a few compiled
+    graphs (``xm.rendezvous`` pads to the exact longest length: one new graph per length, and it copies the bytes
+    through a Python list). In one replica process it is the same collective over one replica. Under SPMD one
+    process drives every device: its payload alone, or, with several SPMD processes, torch.distributed's
+    gather (:func:`dist_gather`), which must be initialized.
+    """
+    if is_spmd():
+        if process_count() == 1:
+            return [payload]
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(f"{tag}: gathering objects over {process_count()} SPMD processes needs torch.distributed; "
+                              "call torch.distributed.init_process_group('gloo') in every process first")
+        return dist_gather()(tag, payload)
+    import torch_xla.core.xla_model as xm
+
+    device = xla_device()
+    sync()  # pending work stays its own graph
+    lengths = fetch_to_host([xm.all_gather(torch.tensor([len(payload)], dtype=torch.int64, device=device))])[0]
+    lengths = [int(n) for n in lengths.tolist()]
+    padded = gather_buffer_size(max(lengths))
+    buffer = torch.zeros(padded, dtype=torch.uint8)
+    if payload:
+        buffer[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    gathered = fetch_to_host([xm.all_gather(buffer.to(device))])[0].numpy()
+    return [gathered[i * padded:i * padded + n].tobytes() for i, n in enumerate(lengths)]
 
 
 # --------------------------------------------------------------------------- torch.distributed stand-ins

@@ -1,12 +1,12 @@
 """The private (or fragile) upstream APIs hf_xla_fsdp relies on, in one list, each checked against what is installed.
 
 Our Trainer and accelerate glue override private methods of ``transformers.Trainer`` and ``accelerate.Accelerator``;
-the start-up code patches ``TrainingArguments._setup_devices``; meta construction hooks transformers' weight
-init; FSDP v1 units override torch_xla's ``_shard_parameters_``. A release that renames one of them, or changes the
-parameters we call or receive, would otherwise surface as an ``AttributeError`` or a ``TypeError`` deep inside a
-training step. :func:`require` runs before each part uses them (the Trainer and accelerate integrations when
-imported, meta construction and FSDP v1 units when first used): a missing or changed API is one line naming it and
-the installed version.
+the start-up code patches ``TrainingArguments._setup_devices`` and accelerate's ``gather_object``; meta construction
+hooks transformers' weight init; FSDP v1 units override torch_xla's ``_shard_parameters_``. A release that renames
+one of them, or changes the parameters we call or receive, would otherwise surface as an ``AttributeError`` or a
+``TypeError`` deep inside a training step. :func:`require` runs before each part uses them (the Trainer and
+accelerate integrations when imported, meta construction and FSDP v1 units when first used): a missing or changed
+API is one line naming it and the installed version.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ RELIED_ON: tuple[Upstream, ...] = (
     _a(f"{_ACCELERATOR}.save_iteration", None, "automatic checkpoint naming"),
     _a("accelerate.state:GradientState.is_xla_gradients_synced", None, "no second gradient all-reduce"),
     _a("accelerate.commands.config:default_config_file", None, "the YAML of a launch without --config_file"),
+    _a("accelerate.utils.operations:gather_object", ("object",),
+       "patched (its code, when an XlaFsdpAccelerator is built): gathers objects on XLA instead of raising"),
     # torch_xla: FSDP v1 units cut each shard on the host
     Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
              "XlaFullyShardedDataParallel._shard_parameters_", ("params_to_shard",),

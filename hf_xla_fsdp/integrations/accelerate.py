@@ -10,27 +10,32 @@ The work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`); this c
   ``clip_grad_norm_``'s norm spans every rank's shards;
 * ``save_state``/``load_state`` write and read sharded rank checkpoints (automatic naming and rotation of
   ``ProjectConfiguration``, registered objects included); ``accelerator.preempted`` turns True once SIGTERM has
-  arrived; ``get_state_dict``, ``unwrap_model(model).save_pretrained(...)`` and ``save_model`` give full weights.
+  arrived; ``get_state_dict``, ``unwrap_model(model).save_pretrained(...)`` and ``save_model`` give full weights;
+* ``gather_for_metrics(..., use_gather_object=True)`` and ``accelerate.utils.gather_object`` gather picklable objects
+  (upstream raises ``NotImplementedError`` on XLA): see :func:`gather_object`.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import io
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 import torch
 from accelerate import Accelerator
 
-from .. import upstream
+from .. import runtime, upstream
 from ..engines import is_wrapped
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
 from ..session import AsyncMode, XlaFsdpSession
 from ..session import optimizers as opt
+from . import startup
 
 upstream.require("accelerate")  # the Accelerator internals overridden below (see hf_xla_fsdp.upstream)
 logger = logging.getLogger(__name__)
@@ -40,6 +45,43 @@ _OWN_SAVE = "_hf_xla_fsdp_save_pretrained"
 
 def _ties_kept(*args: Any, **kwargs: Any) -> None:
     """``tie_weights`` of a sharded model: its ties are kept by FSDP already."""
+
+
+def _to_xla_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A gathered tensor that was on an XLA device goes to this process's XLA device (as CUDA tensors do in
+    torch.distributed's ``all_gather_object``)."""
+    return tensor.to(runtime.xla_device())
+
+
+class _ObjectPickler(pickle.Pickler):
+    """Pickles XLA tensors through a host copy (plain pickling goes through numpy, which has no bfloat16)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
+            return _to_xla_device, (obj.detach().cpu(),)
+        return NotImplemented
+
+
+def gather_object(obj: Any) -> list[Any]:
+    """Every process's picklable ``obj``, gathered on every process in process order: accelerate's ``gather_object``
+    on XLA.
+
+    As accelerate does for byte-padded gathers: a list contributes its items, anything else (dict, tensor, string,
+    number, tuple) one item, so one process gives ``obj`` itself for a list and ``[obj]`` otherwise. XLA tensors come
+    back on this process's XLA device, CPU tensors on the CPU. Every process must call it (on the training thread):
+    the pickled bytes go through :func:`hf_xla_fsdp.runtime.all_gather_bytes`.
+    """
+    buffer = io.BytesIO()
+    _ObjectPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    gathered: list[Any] = []
+    for payload in runtime.all_gather_bytes(buffer.getvalue(), tag="gather_object"):
+        # our own processes' pickles, as torch.distributed.all_gather_object unpickles them
+        part = pickle.loads(payload)  # noqa: S301
+        if isinstance(part, list):
+            gathered.extend(part)
+        else:
+            gathered.append(part)
+    return gathered
 
 
 class XlaFsdpAccelerator(Accelerator):
@@ -61,6 +103,7 @@ class XlaFsdpAccelerator(Accelerator):
         kwargs["mixed_precision"] = "no"
         session.setup_runtime()  # before accelerate's state looks at the devices (FSDP v2: one process, every device)
         super().__init__(*args, **kwargs)
+        startup.patch_gather_object(gather_object)  # upstream raises NotImplementedError on XLA
         self.xla_fsdp_session = session
         session.checkpoints.barrier = lambda tag: self.wait_for_everyone()
         if own:  # a Trainer's session has its progress setting already

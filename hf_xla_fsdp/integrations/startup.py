@@ -5,6 +5,9 @@ touch it as soon as they are built (their ``_setup_devices`` makes accelerate's 
 makes arguments built from then on start SPMD themselves when their ``fsdp_config`` asks for v2, and starts it at
 once when the command line's ``--fsdp_config`` does. Importing ``hf_xla_fsdp`` alone runs none of this; importing
 the Trainer integration (the one-line swap) does, and so do the launcher and the start-up hook.
+
+accelerate's ``gather_object`` raises ``NotImplementedError`` on XLA; :func:`patch_gather_object` (run when an
+``XlaFsdpAccelerator`` is built, never on import) makes it gather there.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Any, Optional
+import types
+from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
@@ -95,3 +99,51 @@ def install(argv: Optional[list[str]] = None) -> None:
     except Exception:  # an unreadable arguments file (JSON, YAML, I/O): HfArgumentParser reports it
         return
     auto_spmd(settings, "code that ran before hf_xla_fsdp's trainer was imported")
+
+
+# --------------------------------------------------------------------------- accelerate's gather_object on XLA
+_gather_object_on_xla: Optional[Callable[[Any], list[Any]]] = None
+_upstream_gather_object: Optional[Callable[[Any], Any]] = None
+
+
+def gather_object_dispatch(obj: Any) -> Any:
+    """What accelerate's ``gather_object`` does once patched: on XLA (where upstream raises ``NotImplementedError``)
+    the implementation given to :func:`patch_gather_object`; on any other distributed type upstream's own code."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if _gather_object_on_xla is not None and PartialState().distributed_type == DistributedType.XLA:
+        return _gather_object_on_xla(obj)
+    assert _upstream_gather_object is not None  # set together with the patch
+    return _upstream_gather_object(obj)
+
+
+def _patched_gather_object(object: Any) -> Any:  # noqa: A002 - upstream's parameter name, kept for keyword callers
+    # only this code object is installed into upstream's function: it names nothing of the module it runs in
+    # (upstream's globals), it imports what it needs
+    from hf_xla_fsdp.integrations.startup import gather_object_dispatch
+
+    return gather_object_dispatch(object)
+
+
+def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
+    """accelerate's ``gather_object`` gathers with ``on_xla`` when the distributed type is XLA, however it was
+    imported (``accelerate.utils.gather_object``, ``from accelerate.utils import gather_object`` in a script imported
+    before this ran, ``Accelerator.gather_for_metrics``, ``verify_operation`` in debug mode).
+
+    Those are all references to one function object, so the patch replaces that object's code rather than a module
+    attribute (which the names bound earlier would not see); upstream's own code runs, unchanged, for every other
+    distributed type. Idempotent; the latest ``on_xla`` is used.
+    """
+    global _gather_object_on_xla, _upstream_gather_object
+    from accelerate.utils import operations
+
+    target = operations.gather_object
+    if target.__code__ is not _patched_gather_object.__code__:
+        if target.__code__.co_freevars or target.__code__.co_varnames[:1] != ("object",):
+            raise ConfigError("accelerate.utils.operations.gather_object changed shape; hf_xla_fsdp cannot make it "
+                              "gather on XLA (`hf-xla-fsdp env` lists the supported accelerate versions)")
+        _upstream_gather_object = types.FunctionType(target.__code__, target.__globals__, target.__name__,
+                                                     target.__defaults__, target.__closure__)
+        target.__code__ = _patched_gather_object.__code__
+    _gather_object_on_xla = on_xla
