@@ -62,9 +62,9 @@ def train_step(
     FSDP has already reduce-scattered the gradients in backward, so the step is a plain
     ``optimizer.step()`` and never ``xm.optimizer_step`` (which would all-reduce them again).
     """
-    from .engines import engine_of
+    from .session.optimizers import prepare_optimizer
 
-    engine_of(model).prepare_optimizer(model, optimizer)  # idempotent (e.g. fp32 master copies under compute_dtype)
+    prepare_optimizer(model, optimizer)  # idempotent: fp32 masters under compute_dtype, state before step 1
     loss = model(**batch).loss
     loss.backward()
     if max_grad_norm:

@@ -137,6 +137,10 @@ class Engine:
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Adjust an optimizer built from the wrapped model's parameters (e.g. to update fp32 master copies)."""
 
+    def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
+        """Zeros shaped, placed and sharded like ``param`` (optimizer state made before the first step)."""
+        return torch.zeros_like(param, memory_format=torch.preserve_format)
+
     def optimizer_targets(self, model: nn.Module) -> list[torch.Tensor]:
         """What a prepared optimizer may update for ``model``: its parameters (and any stand-ins for them)."""
         return list(model.parameters())

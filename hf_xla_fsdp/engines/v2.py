@@ -24,7 +24,7 @@ from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_t
 from ..errors import CheckpointError, ConfigError
 from ..runtime import device_count, process_count, process_index, wait_device_ops
 from .base import Engine, host_copy
-from .master_weights import attach, cast_parameters, master_weights
+from .master_weights import _same_sharding, attach, cast_parameters, master_weights
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -268,6 +268,11 @@ class XlaFsdpV2(Engine):
 
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         attach(model, optimizer)
+
+    def zeros_like(self, param: torch.Tensor) -> torch.Tensor:
+        zeros = torch.zeros_like(param, memory_format=torch.preserve_format)
+        _same_sharding(zeros, param)  # a replicated state would hold the whole tensor on every device
+        return zeros
 
     def optimizer_targets(self, model: nn.Module) -> list[torch.Tensor]:
         masters = master_weights(model)  # low-precision parameters are updated through their fp32 copies

@@ -151,7 +151,9 @@ class XlaFsdpAccelerator(Accelerator):
                 opt.check_optimizer_parameters(opt.repoint_optimizer(optimizer.optimizer, self._moved_params, sharded))
             for model in self._models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
                 for optimizer in self._optimizers:
-                    self.xla_fsdp_session.prepare_optimizer(model, optimizer.optimizer)
+                    self.xla_fsdp_session.engine.prepare_optimizer(model, optimizer.optimizer)
+            for optimizer in self._optimizers:  # after every model's, so the state is made for what is updated
+                self.xla_fsdp_session.create_optimizer_state(optimizer.optimizer)
         return result
 
     def _get_named_parameters(self, *args: Any, drop_refs: bool = False) -> dict[str, Any]:

@@ -7,7 +7,8 @@ several, a tied weight is kept once). These helpers carry each group over, keepi
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -15,15 +16,73 @@ from torch import nn
 from ..engines import engine_of
 from ..errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 
 def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Ready ``optimizer`` (built from the wrapped ``model``'s parameters) for the model's engine; returns it.
 
     Needed only in a hand-written loop: accelerate's ``prepare`` and the Trainer call it. With FSDP v2 and
-    ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters.
+    ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters. It creates the
+    optimizer's state on the devices (:func:`create_state`), so the first step compiles the same graph as the next.
     """
-    engine_of(model).prepare_optimizer(model, optimizer)
+    engine = engine_of(model)
+    engine.prepare_optimizer(model, optimizer)
+    if create_state(optimizer, engine.zeros_like):
+        engine.sync()  # the state becomes device data now, not part of the first step's graph
     return optimizer
+
+
+def _adam_state(param: torch.Tensor, group: dict[str, Any], zeros_like: Callable[[torch.Tensor], torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    # the same tensors Adam._init_group makes (step on the host unless capturable or fused)
+    step = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=param.device)
+            if group.get("capturable") or group.get("fused") else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+    state = {"step": step, "exp_avg": zeros_like(param), "exp_avg_sq": zeros_like(param)}
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = zeros_like(param)
+    return state
+
+
+def _sgd_state(param: torch.Tensor, group: dict[str, Any], zeros_like: Callable[[torch.Tensor], torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    # SGD's first step sets buf = grad; a zero buffer gives momentum * 0 + grad, the same, only without dampening
+    return {"momentum_buffer": zeros_like(param)}
+
+
+def _state_maker(optimizer: torch.optim.Optimizer) -> Any:
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW included: it subclasses Adam
+        return _adam_state
+    if isinstance(optimizer, torch.optim.SGD) and all(
+            g.get("momentum", 0) and not g.get("dampening", 0) for g in optimizer.param_groups):
+        return _sgd_state
+    return None
+
+
+def create_state(optimizer: torch.optim.Optimizer,
+                 zeros_like: Callable[[torch.Tensor], torch.Tensor] = torch.zeros_like) -> bool:
+    """Create now the state ``optimizer`` would create lazily in its first step; True when it made any.
+
+    An optimizer that makes its state inside step 1 traces a different graph in step 1 (state created) than in
+    step 2 (state read), so XLA compiles the whole training step twice. With the state on the devices first, step 1
+    is step 2's graph. ``zeros_like`` makes a tensor shaped and placed (sharded) like a parameter. Adam, AdamW and
+    SGD with momentum (no dampening) are known; other optimizers keep their lazy state (step 2 compiles once more).
+    """
+    maker = _state_maker(optimizer)
+    if maker is None:
+        logger.info("%s creates its state in its first step: the second step compiles its graph once more",
+                    type(optimizer).__name__)
+        return False
+    made = False
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and not optimizer.state.get(param):
+                    optimizer.state[param] = maker(param, group, zeros_like)
+                    made = True
+    return made
 
 
 def original_parameters(model: nn.Module) -> dict[str, int]:

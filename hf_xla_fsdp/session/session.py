@@ -119,9 +119,19 @@ class XlaFsdpSession:
 
     # ----------------------------------------------------------------- training
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Ready ``optimizer`` (built from the wrapped ``model``'s parameters) for the engine; returns it."""
+        """Ready ``optimizer`` (built from the wrapped ``model``'s parameters) for the engine and create its state
+        on the devices (see :meth:`create_optimizer_state`); returns it."""
         self.engine.prepare_optimizer(model, optimizer)
+        self.create_optimizer_state(optimizer)
         return optimizer
+
+    def create_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Create now, sharded like the parameters, the state ``optimizer`` would make in its first step, so the
+        first training step traces the same graph as every later one (XLA compiles it once, not twice)."""
+        from .optimizers import create_state
+
+        if create_state(optimizer, self.engine.zeros_like):
+            self.engine.sync()
 
     def prepare_loader(self, loader: Any) -> Any:
         """An XLA device loader adjusted for the engine (FSDP v2: every batch split over all devices)."""
