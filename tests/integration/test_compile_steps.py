@@ -9,7 +9,6 @@ makes its state inside its first step, so step 1 traced another graph).
 import json
 
 import pytest
-
 from helpers import SCRIPTS, run_python
 
 

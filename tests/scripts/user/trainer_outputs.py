@@ -18,8 +18,15 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from recording import RecordLogits
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, HfArgumentParser,
-                          LlamaConfig, TrainingArguments, set_seed)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    LlamaConfig,
+    TrainingArguments,
+    set_seed,
+)
 
 if os.environ.get("STOCK") == "1":
     from transformers import Trainer
