@@ -14,7 +14,7 @@ __all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", 
 # one warning line when an installed package lies outside the range the tests ran with (metadata only: cheap)
 from .upstream import check_versions as _check_versions  # noqa: E402
 
-_check_versions()
+_check_versions(__version__)
 
 
 # the Trainer and the Accelerator pull in transformers / accelerate (and torch_xla); config-only

@@ -199,13 +199,12 @@ def installed_versions(packages: Optional[Mapping[str, Any]] = None) -> dict[str
 _warned: list[str] = []
 
 
-def check_versions(versions: Optional[Mapping[str, Optional[str]]] = None) -> Optional[str]:
-    """Log :func:`version_warning` of ``versions`` (the installed ones by default) once per process; returns it."""
+def check_versions(ours: str, versions: Optional[Mapping[str, Optional[str]]] = None) -> Optional[str]:
+    """Log :func:`version_warning` of ``versions`` (the installed ones by default) with hf_xla_fsdp ``ours`` once per
+    process; returns it."""
     if os.environ.get(VERSION_CHECK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
-    from . import __version__
-
-    line = version_warning(installed_versions() if versions is None else versions, __version__)
+    line = version_warning(installed_versions() if versions is None else versions, ours)
     if line is not None and line not in _warned:
         _warned.append(line)
         logger.warning(line)

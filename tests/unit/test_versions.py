@@ -83,11 +83,11 @@ def test_check_versions_logs_once(caplog, monkeypatch):
     monkeypatch.delenv(upstream.VERSION_CHECK_ENV, raising=False)
     untested = dict(upstream.installed_versions(), accelerate="9.0.0")
     with caplog.at_level(logging.WARNING, logger="hf_xla_fsdp.upstream"):
-        first = upstream.check_versions(untested)
-        upstream.check_versions(untested)
+        first = upstream.check_versions(__version__, untested)
+        upstream.check_versions(__version__, untested)
     assert [r.getMessage() for r in caplog.records] == [first]
     monkeypatch.setenv(upstream.VERSION_CHECK_ENV, "0")
-    assert upstream.check_versions(untested) is None
+    assert upstream.check_versions(__version__, untested) is None
 
 
 def test_a_gone_api_names_it_and_the_supported_range():
