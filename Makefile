@@ -5,12 +5,16 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PJRT_DEVICE ?= CPU
 
-.PHONY: quickstart test docs clean-venv
+# the oldest supported combination (constraints/oldest.txt), installed fresh by `make test-matrix`
+OLDEST ?= .venv-oldest
 
-$(STAMP): setup.cfg pyproject.toml
+.PHONY: quickstart test test-matrix docs clean-venv
+
+# setup.cfg declares ranges; CI installs the exact versions it was tested with (constraints/tested.txt)
+$(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev]' -c constraints/tested.txt
 	@touch $(STAMP)
 
 quickstart: $(STAMP)
@@ -21,9 +25,20 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile tests
 
+# the fast tier (tests/unit, `-m "not slow"`) on the oldest supported combination, in a venv made fresh each time:
+# the runtime extras and the test tools only (the docs tools of [dev] need newer Jinja2 than the oldest supported)
+test-matrix:
+	rm -rf $(OLDEST)
+	python3 -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install --quiet -e '.[finetune,examples,cloud]' pytest pytest-xdist wheel ruff \
+		-c constraints/oldest.txt
+	$(OLDEST)/bin/python -m pip check
+	$(OLDEST)/bin/hf-xla-fsdp env --no-devices
+	$(OLDEST)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests/unit
+
 # the documentation site (mkdocs.yml): strict, so a broken link or reference fails the build
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(OLDEST)

@@ -11,6 +11,11 @@ __all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", 
            "XlaFsdpSFTTrainer", "XlaFsdpSession", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd", "export",
            "xla_fsdp_trainer", "__version__"]
 
+# one warning line when an installed package lies outside the range the tests ran with (metadata only: cheap)
+from .upstream import check_versions as _check_versions  # noqa: E402
+
+_check_versions(__version__)
+
 
 # the Trainer and the Accelerator pull in transformers / accelerate (and torch_xla); config-only
 # users and the CLI should not pay for them

@@ -147,6 +147,121 @@ def _prefix_flags(p: argparse.ArgumentParser) -> None:
                         "consolidate_sharded_ckpts; e.g. 'rank*-of-*-pytorch_model.bin' for the Trainer's files")
 
 
+# ---------------------------------------------------------------- env: what a bug report needs (self-contained block)
+# Versions come from package metadata (nothing imported); only the device part imports torch_xla, and any failure
+# there becomes a field of the report, never a crash: `env` is what users run when something is broken.
+ENV_PACKAGES = ("torch", "torch_xla", "transformers", "accelerate", "peft", "trl", "datasets", "safetensors",
+                "huggingface_hub", "hf_xla_fsdp")
+_TPU_TYPE_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/accelerator-type"
+
+
+def _tpu_type() -> Optional[str]:
+    """The TPU slice type (``v5litepod-8``, ``v4-32``) of a TPU VM, from the environment or, when TPU chips sit on
+    the PCI bus, from the VM's metadata server (one short request); None elsewhere."""
+    for name in ("TPU_ACCELERATOR_TYPE", "ACCELERATOR_TYPE"):
+        if os.environ.get(name):
+            return os.environ[name]
+    try:
+        from torch_xla._internal import tpu
+
+        if tpu.num_available_chips() == 0:  # reads /sys only
+            return None
+        import urllib.request
+
+        request = urllib.request.Request(_TPU_TYPE_URL, headers={"Metadata-Flavor": "Google"})
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.read().decode().strip() or None
+    except Exception:  # not a TPU VM, no metadata server, another torch_xla layout: unknown
+        return None
+
+
+def device_info(torch_xla_installed: bool) -> dict:
+    """PJRT device kind and count, SPMD, process count and host of this process's XLA runtime (starting it);
+    ``error`` says why a part is unknown (torch_xla missing, the runtime failing to start, e.g. a TPU in use)."""
+    info: dict = {"pjrt_device": os.environ.get("PJRT_DEVICE"), "device_kind": None, "device_count": None,
+                  "spmd": None, "process_count": None, "host_index": None, "tpu_type": None}
+    if not torch_xla_installed:
+        info["error"] = "torch_xla is not installed"
+        return info
+    try:
+        import torch_xla.runtime as xr
+
+        info["spmd"] = bool(xr.is_spmd())
+        info["tpu_type"] = _tpu_type()
+        info["device_count"] = xr.global_runtime_device_count()  # starts the runtime: PJRT_DEVICE is now chosen
+        info["device_kind"] = xr.device_type()
+        info["process_count"] = xr.process_count()
+        info["host_index"] = xr.host_index()
+    except Exception as err:  # report, do not crash
+        info["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    return info
+
+
+def collect_env(versions: dict, devices: Optional[dict] = None) -> dict:
+    """The ``env`` report from ``versions`` (distribution name -> version, None: not installed) and the result of
+    :func:`device_info` (skipped when None)."""
+    import platform
+
+    from .upstream import SUPPORTED, TESTED, untested
+
+    outside = untested(versions)
+    report = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {name: versions.get(name) or "not installed" for name in ENV_PACKAGES},
+        "tested_combination": not outside,
+        "untested": {name: f"{version} (tested {low} to {high})" for name, version, (low, high) in outside},
+        "tested_ranges": {name: f"{low} to {high}" for name, (low, high) in TESTED.items()},
+        "supported": dict(SUPPORTED),
+    }
+    if devices is not None:
+        report["devices"] = devices
+    return report
+
+
+def format_env(report: dict) -> str:
+    """The ``env`` report as the text to paste into a bug report."""
+    lines = ["Copy-and-paste the text below in your GitHub issue.", "",
+             f"- Python: {report['python']} ({report['platform']})"]
+    lines += [f"- {name}: {version}" for name, version in report["versions"].items()]
+    devices = report.get("devices")
+    if devices is not None:
+        count = devices["device_count"]
+        lines.append(f"- PJRT device: {devices['device_kind'] or 'unknown'} x {count if count is not None else '?'}"
+                     f" (PJRT_DEVICE={devices['pjrt_device'] or 'unset'})")
+        lines.append(f"- TPU type: {devices['tpu_type'] or 'none found'}")
+        lines.append(f"- SPMD: {'yes' if devices['spmd'] else 'no'} (XLA_USE_SPMD in this process)")
+        lines.append(f"- processes: {devices['process_count']}, this host: {devices['host_index']}")
+        if devices.get("error"):
+            lines.append(f"- device query failed: {devices['error']}")
+    if report["tested_combination"]:
+        lines.append("- tested combination: yes")
+    else:
+        lines.append("- tested combination: no: " + ", ".join(f"{n} {v}" for n, v in report["untested"].items()))
+    return "\n".join(lines)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    """Print the versions, devices and whether they are a tested combination (for bug reports)."""
+    from .upstream import installed_versions
+
+    versions = installed_versions(ENV_PACKAGES)
+    versions["hf_xla_fsdp"] = __version__  # the one imported (a source checkout's metadata may be older)
+    devices = None if args.no_devices else device_info(versions.get("torch_xla") is not None)
+    report = collect_env(versions, devices)
+    print(json.dumps(report, indent=2) if args.json else format_env(report))
+    return 0
+
+
+def _add_env_parser(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("env", help="versions, XLA devices and whether they are a tested combination (for bug reports)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--no-devices", "--no_devices", action="store_true",
+                   help="versions only: do not import torch_xla or start its runtime (e.g. while a job holds the TPU)")
+    p.set_defaults(func=cmd_env)
+# ---------------------------------------------------------------- end of env
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hf-xla-fsdp``."""
     parser = argparse.ArgumentParser(prog="hf-xla-fsdp", description="PyTorch/XLA FSDP for Hugging Face models")
@@ -219,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PEFT checkpoints: export the full model with the LoRA updates merged in")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_export)
+    _add_env_parser(sub)
     return parser
 
 

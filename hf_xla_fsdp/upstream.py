@@ -6,13 +6,21 @@ hooks transformers' weight init; FSDP v1 units override torch_xla's ``_shard_par
 one of them, or changes the parameters we call or receive, would otherwise surface as an ``AttributeError`` or a
 ``TypeError`` deep inside a training step. :func:`require` runs before each part uses them (the Trainer and
 accelerate integrations when imported, meta construction and FSDP v1 units when first used): a missing or changed
-API is one line naming it and the installed version.
+API is one line naming it, the installed version and the supported range.
+
+The version side: :data:`TESTED` is the range of releases of each package the fast test tier ran with (the oldest
+and newest tested combinations, constraints/oldest.txt and constraints/tested.txt), :data:`SUPPORTED` the ranges
+setup.cfg declares. :func:`check_versions` runs when hf_xla_fsdp is imported: a package installed outside its tested
+range is one warning line (it may still work; no test ran it).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Optional
@@ -106,6 +114,105 @@ RELIED_ON: tuple[Upstream, ...] = (
 )
 
 
+# The releases the fast test tier ran with, per package: (oldest, newest) of constraints/oldest.txt and
+# constraints/tested.txt (tests/unit/test_versions.py keeps them equal). Bump both when a combination is tested.
+TESTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.9.0", "2.9.0"),
+    "torch_xla": ("2.9.0", "2.9.0"),
+    "transformers": ("5.13.0", "5.23.0"),
+    "accelerate": ("1.8.0", "1.15.0"),
+    "datasets": ("4.7.0", "5.2.0"),
+    "safetensors": ("0.8.0", "0.8.0"),
+    "huggingface_hub": ("1.5.0", "2.4.0"),
+    "peft": ("0.18.0", "0.21.2"),
+    "trl": ("1.0.0", "1.16.0"),
+}
+
+# What setup.cfg declares (install_requires and the finetune extra; the same test keeps them equal): pip refuses
+# anything outside, so a version outside these was forced in (--no-deps, a later install of another package)
+SUPPORTED: dict[str, str] = {
+    "torch": ">=2.9.0,<2.10",
+    "torch_xla": ">=2.9.0,<2.10",
+    "transformers": ">=5.13.0,<6",
+    "accelerate": ">=1.8.0,<2",
+    "datasets": ">=4.7.0,<6",
+    "safetensors": ">=0.8.0,<1",
+    "huggingface_hub": ">=1.5.0,<3",
+    "peft": ">=0.18.0,<1",
+    "trl": ">=1.0.0,<2",
+}
+
+# set to 0 to skip the import-time check (e.g. a deliberately untested combination whose warning is known)
+VERSION_CHECK_ENV = "HF_XLA_FSDP_VERSION_CHECK"
+
+logger = logging.getLogger(__name__)
+
+
+def _release(version: str) -> Any:
+    from packaging.version import InvalidVersion, Version
+
+    try:  # the public part: a local build tag (2.9.0+cpu) is the release it was built from
+        return Version(Version(version).public)
+    except InvalidVersion:
+        return None
+
+
+def untested(versions: Mapping[str, Optional[str]],
+             tested: Mapping[str, tuple[str, str]] = TESTED) -> list[tuple[str, str, tuple[str, str]]]:
+    """``(package, version, (oldest, newest))`` of every package in ``versions`` (name -> installed version, None:
+    not installed) whose version lies outside its tested range; packages without a tested range are not judged."""
+    found = []
+    for package, version in versions.items():
+        if version is None or package not in tested:
+            continue
+        low, high = tested[package]
+        release = _release(version)
+        if release is None or not _release(low) <= release <= _release(high):
+            found.append((package, version, (low, high)))
+    return found
+
+
+def version_warning(versions: Mapping[str, Optional[str]], ours: str,
+                    tested: Mapping[str, tuple[str, str]] = TESTED) -> Optional[str]:
+    """The one warning line for the installed ``versions`` (name -> version, None: not installed) with hf_xla_fsdp
+    ``ours``: every package outside its tested range, with its version and that range, and the risk; None when all
+    installed packages are inside."""
+    found = untested(versions, tested)
+    if not found:
+        return None
+    listed = ", ".join(f"{package} {version} (tested {low}" + (f" to {high})" if high != low else " only)")
+                       for package, version, (low, high) in found)
+    return (f"hf_xla_fsdp {ours} is untested with {listed}: a private API it overrides may have changed "
+            f"(failing when first used) or training may behave differently; install a tested version, "
+            f"see `hf-xla-fsdp env` and docs/versions.md ({VERSION_CHECK_ENV}=0 silences this)")
+
+
+def installed_versions(packages: Optional[Mapping[str, Any]] = None) -> dict[str, Optional[str]]:
+    """Installed version of each package (of :data:`TESTED` by default) from its metadata; None when absent."""
+    found: dict[str, Optional[str]] = {}
+    for package in packages if packages is not None else TESTED:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+_warned: list[str] = []
+
+
+def check_versions(ours: str, versions: Optional[Mapping[str, Optional[str]]] = None) -> Optional[str]:
+    """Log :func:`version_warning` of ``versions`` (the installed ones by default) with hf_xla_fsdp ``ours`` once per
+    process; returns it."""
+    if os.environ.get(VERSION_CHECK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    line = version_warning(installed_versions() if versions is None else versions, ours)
+    if line is not None and line not in _warned:
+        _warned.append(line)
+        logger.warning(line)
+    return line
+
+
 def resolve(target: str) -> Any:
     """The object ``"module:Attr.attr"`` names (``AttributeError`` / ``ImportError`` when it is gone)."""
     module, _, path = target.partition(":")
@@ -155,6 +262,14 @@ def problems(user: Optional[str] = None) -> list[tuple[Upstream, str]]:
 _checked: set[str] = set()
 
 
+def unsupported_message(package: str, version: str, what: str) -> str:
+    """The one line for a relied-on API of ``package`` ``version`` that is gone or changed (``what``)."""
+    tested = TESTED.get(package)
+    span = f" (tested {tested[0]} to {tested[1]})" if tested else ""
+    return (f"{package} {version} is not supported by hf_xla_fsdp: {what}; install {package}"
+            f"{SUPPORTED.get(package, '')}{span} (`hf-xla-fsdp env` shows what is installed)")
+
+
 def require(user: str) -> None:
     """One line naming the first API relied on by ``user`` (``"trainer"``, ``"accelerate"``, ``"modeling"``,
     ``"engine_v1"``) that the installed packages lack or changed; checked once per process."""
@@ -163,6 +278,5 @@ def require(user: str) -> None:
     found = problems(user)
     if found:
         (entry, what), more = found[0], f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise ConfigError(f"{entry.package} {installed_version(entry.package)} is not supported by hf_xla_fsdp: "
-                          f"{what}{more}; install a version this release supports (`hf-xla-fsdp env` lists them)")
+        raise ConfigError(unsupported_message(entry.package, installed_version(entry.package), what + more))
     _checked.add(user)
