@@ -28,8 +28,9 @@ SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "chat_template.jinja",
               "chat_template.json", "generation_config.json", "preprocessor_config.json")
 #: side files whose SHA-256 the completion marker records (``side_files``): those consolidation copies, the
-#: model config and the training records
-DIGESTED_SIDE_FILES = (*SIDE_FILES, "config.json", "trainer_state.json", "xla_fsdp_training.json")
+#: model config and our training record. Not ``trainer_state.json``: transformers reads it (not us), and users edit
+#: it by hand (log history, best metric) as they may with the stock Trainer; a digest would refuse such a checkpoint
+DIGESTED_SIDE_FILES = (*SIDE_FILES, "config.json", "xla_fsdp_training.json")
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 RNG_CPU = "rng/torch_cpu"
