@@ -25,7 +25,7 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile tests
 
-# the fast tier (tests/unit, `-m "not slow"`) on the oldest supported combination, in a venv made fresh each time:
+# the fast tier (`-m "not slow"`, every test folder) on the oldest supported combination, in a venv made fresh each time:
 # the runtime extras and the test tools only (the docs tools of [dev] need newer Jinja2 than the oldest supported)
 test-matrix:
 	rm -rf $(OLDEST)
@@ -34,7 +34,7 @@ test-matrix:
 		-c constraints/oldest.txt
 	$(OLDEST)/bin/python -m pip check
 	$(OLDEST)/bin/hf-xla-fsdp env --no-devices
-	$(OLDEST)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests/unit
+	$(OLDEST)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests
 
 # the documentation site (mkdocs.yml): strict, so a broken link or reference fails the build
 docs: $(STAMP)
