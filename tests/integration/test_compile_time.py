@@ -25,11 +25,13 @@ def worker(*args: str) -> dict:
 def test_trainer_with_stock_collator_compiles_a_bounded_number_of_graphs():
     """transformers' DataCollatorForLanguageModeling on texts of 40 lengths, 12 steps of batch 2: at most 4 graphs
     from step 4 on (with buckets off every new length compiles; measured 18 in 16 steps), none of them reported as a
-    late new shape, and an evaluation compiles only its own graphs (one per bucket it meets)."""
+    late new shape; evaluation and prediction batches are bucketed too."""
     run = worker("trainer", "--buckets", "true", "--steps", "12", "--eval-batches", "3")
     assert run["graphs_after_step_3"] <= 4, run
     assert not [line for line in run["log"] if "new XLA graph" in line], run["log"]
-    assert run["graphs_in_eval"] <= 2 * 3 and run["eval_loss"] > 0, run
+    # training, evaluation and prediction batches all reach the model at bucket lengths only
+    assert set(run["lengths"]["train"]) <= {64, 128, 256} and set(run["lengths"]["eval"]) <= {64, 128, 256}, run
+    assert run["lengths"]["eval"] and run["graphs_in_second_eval"] == 0 and run["eval_loss_again"] == run["eval_loss"]
 
 
 @pytest.mark.slow

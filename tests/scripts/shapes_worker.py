@@ -78,14 +78,28 @@ def trainer(args: argparse.Namespace, out: str) -> dict:
     data = varied_texts(2 * args.steps)
     run = XlaFsdpTrainer(config, targs, train_dataset=data, eval_dataset=data[:2 * args.eval_batches] or None,
                          data_collator=DataCollatorForLanguageModeling(word_tokenizer(), mlm=False), callbacks=[Marks()])
+    lengths: dict[str, set] = {"train": set(), "eval": set()}
+    phase = ["train"]
+
+    def seen(module, args, kwargs):  # the token lengths the model is called with
+        if kwargs.get("input_ids") is not None:
+            lengths[phase[0]].add(int(kwargs["input_ids"].shape[1]))
+
+    run.model.register_forward_pre_hook(seen, with_kwargs=True)
     run.train()
     torch_xla.sync()
     after_train = shapes.compile_count()
     result = {"graphs_total": after_train, "graphs_after_step_3": after_train - marks.get(4, after_train),
               "marks": marks}
     if args.eval_batches:
+        phase[0] = "eval"
         result["eval_loss"] = run.evaluate()["eval_loss"]
         result["graphs_in_eval"] = shapes.compile_count() - after_train
+        run.predict(data[-2 * args.eval_batches:])
+        second = shapes.compile_count()
+        result["eval_loss_again"] = run.evaluate()["eval_loss"]
+        result["graphs_in_second_eval"] = shapes.compile_count() - second
+    result["lengths"] = {k: sorted(v) for k, v in lengths.items()}
     return result
 
 
