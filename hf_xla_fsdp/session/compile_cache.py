@@ -55,6 +55,7 @@ class CacheState:
 
 _STATE: Optional[CacheState] = None
 _LOCK_FD: Optional[int] = None
+_IGNORED: set = set()  # settings a later session asked for, reported once
 
 
 def default_dir() -> Optional[str]:
@@ -109,6 +110,11 @@ def setup(setting: Optional[str], process_index: Callable[[], int]) -> CacheStat
     """
     global _STATE
     if _STATE is not None:
+        wanted = default_dir() if setting == "auto" else setting
+        if setting not in (None, "auto") and wanted != _STATE.path and wanted not in _IGNORED:
+            _IGNORED.add(wanted)
+            logger.warning("compilation_cache_dir=%s not used: this process set up its cache already (%s)", wanted,
+                           _STATE.path or _STATE.reason)
         return _STATE
     import torch_xla
     import torch_xla.runtime as xr

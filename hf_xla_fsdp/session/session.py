@@ -142,7 +142,8 @@ class XlaFsdpSession:
     def pad_batches(self, loader: Any, models: Optional[Callable[[], Any]] = None) -> Any:
         """A host data loader whose batches are padded to the ``pad_to_buckets`` lengths (see :mod:`.shapes`);
         ``models`` gives the prepared models (their config's pad token and longest sequence), read at the first batch."""
-        return shapes.pad_loader(loader, self.plugin.pad_to_buckets, models=models)
+        inner = (lambda: [self.unwrap(m) for m in models()]) if models is not None else None
+        return shapes.pad_loader(loader, self.plugin.pad_to_buckets, models=inner)
 
     def prepare_loader(self, loader: Any) -> Any:
         """An XLA device loader adjusted for the engine (FSDP v2: every batch split over all devices) that logs one

@@ -92,12 +92,9 @@ def _collator_settings(fn: Any) -> tuple[Optional[int], Optional[str], Optional[
 
 
 def _config_settings(models: Callable[[], Iterable[Any]]) -> tuple[Optional[int], Optional[int]]:
-    """Pad token id and longest sequence from the prepared models' configs."""
+    """Pad token id and longest sequence from the configs of the (unwrapped) prepared models."""
     for model in models():
-        inner = model
-        while hasattr(inner, "module") or hasattr(inner, "_fsdp_wrapped_module"):
-            inner = getattr(inner, "module", None) or getattr(inner, "_fsdp_wrapped_module")
-        config = getattr(inner, "config", None)
+        config = getattr(model, "config", None)
         if config is None:
             continue
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
