@@ -229,3 +229,15 @@ def test_a_watched_loader_keeps_its_class_and_counts_compiles_per_batch(monkeypa
     assert len(list(loader)) == 3
     # the compiles found while fetching a batch belong to the step of the batch before; the last one's at the end
     assert seen == [((1, 2), 3), ((1, 2), 0), ((1, 2), 2)]
+
+
+def test_default_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    from hf_xla_fsdp.session.compile_cache import ENV_CACHE, default_dir
+
+    monkeypatch.setenv(ENV_CACHE, "none")
+    assert default_dir() is None
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "c"))
+    assert default_dir() == str(tmp_path / "c")
+    monkeypatch.delenv(ENV_CACHE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_dir() == str(tmp_path / "hf_xla_fsdp" / "xla_cache")
