@@ -85,6 +85,9 @@ def train_child(args: argparse.Namespace) -> dict[str, Any]:
     total = shapes.compile_count()
     compile_time = met.metric_data("CompileTime")
     return {"graphs_total": total, "graphs_after_step_3": total - marks.get(4, total),
+            # the last step's batch, then the Trainer's first logging and end-of-training graphs (no input shapes)
+            "graphs_from_last_step_on": total - marks.get(args.steps, total),
+            "graphs_before_each_step": marks,
             "compile_seconds": round(compile_time[1] / 1e9, 2) if compile_time else 0.0,
             "cache": compile_cache.summary()}
 
