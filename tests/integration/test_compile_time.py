@@ -48,6 +48,37 @@ def test_a_new_shape_after_warm_up_is_one_line_with_buckets_off():
                           "pad_to_multiple_of=64)")
 
 
+def test_accelerator_loaders_are_bucketed_to_the_models_length_with_its_pad_token():
+    """XlaFsdpAccelerator.prepare pads a plain DataLoader's batches (a collator without a tokenizer: the pad token
+    comes from the model config), cuts buckets at the model's n_positions and watches the device loader."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_xla_fsdp import XlaFsdpAccelerator, XlaFsdpPlugin
+
+    def collate(rows):  # pads to the longest row only, as many hand-written collators do
+        longest = max(len(r) for r in rows)
+        ids = torch.tensor([r + [5] * (longest - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    rows = [[7] * n for n in (3, 30, 70, 90, 20, 10)]
+    accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin())
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=4, n_positions=100,
+                                       pad_token_id=5, bos_token_id=0, eos_token_id=0))
+    model, loader = accelerator.prepare(model, torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collate))
+    assert loader._hf_xla_fsdp_watch is not None
+    batches = [{k: v.cpu() for k, v in b.items()} for b in loader]
+    assert [b["input_ids"].shape for b in batches] == [(2, 64), (2, 100), (2, 64)]  # 128 cut to n_positions=100
+    for batch, (a, b) in zip(batches, [(3, 30), (70, 90), (20, 10)]):
+        for row, n in enumerate((a, b)):
+            assert batch["attention_mask"][row].sum() == n and (batch["labels"][row, n:] == -100).all()
+            assert (batch["input_ids"][row, n:] == 5).all() and (batch["input_ids"][row, :n] == 7).all()
+    losses = [model(**{k: v.to(accelerator.device) for k, v in b.items()}).loss.item() for b in batches]
+    assert all(loss > 0 for loss in losses)
+
+
 def wire_message_is_complete(data: bytes) -> bool:
     """True when ``data`` is a sequence of protobuf wire-format fields ending exactly at its end (a torn or
     interleaved write leaves a field that overruns it or a bad wire type)."""
