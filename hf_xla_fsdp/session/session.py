@@ -39,6 +39,7 @@ class XlaFsdpSession:
         self._preemption: Optional[PreemptionGuard] = None
         #: the training step now (set by an entry point that counts steps), named when a new graph compiles late
         self.step_source: Optional[Callable[[], Optional[int]]] = None
+        self._pad_errors: list = []  # refusals of the padding collators (loader threads), raised in the training thread
 
     def __repr__(self) -> str:
         return f"XlaFsdpSession({self.engine.title}, sharding={self.plugin.sharding!r})"
@@ -143,14 +144,14 @@ class XlaFsdpSession:
         """A host data loader whose batches are padded to the ``pad_to_buckets`` lengths (see :mod:`.shapes`);
         ``models`` gives the prepared models (their config's pad token and longest sequence), read at the first batch."""
         inner = (lambda: [self.unwrap(m) for m in models()]) if models is not None else None
-        return shapes.pad_loader(loader, self.plugin.pad_to_buckets, models=inner)
+        return shapes.pad_loader(loader, self.plugin.pad_to_buckets, models=inner, errors=self._pad_errors)
 
     def prepare_loader(self, loader: Any) -> Any:
         """An XLA device loader adjusted for the engine (FSDP v2: every batch split over all devices) that logs one
         line when, after warm-up, new input shapes compile a new graph."""
         loader = self.engine.prepare_loader(loader, self.plugin)
         watch = shapes.RecompileWatch(self.plugin.pad_to_buckets, step=lambda: self.step_source and self.step_source(),
-                                      after_compile=compile_cache.check)
+                                      after_compile=compile_cache.check, errors=self._pad_errors)
         return shapes.watch_loader(loader, watch)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -104,6 +104,10 @@ def _config_settings(models: Callable[[], Iterable[Any]]) -> tuple[Optional[int]
     return None, None
 
 
+class MissingPadToken(ConfigError):
+    """No pad token id is known to pad ``input_ids`` with."""
+
+
 class BucketPadder:
     """A ``collate_fn`` that pads what ``collate_fn`` returns up to the bucket lengths (picklable for workers).
 
@@ -114,16 +118,20 @@ class BucketPadder:
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], buckets: Buckets, *,
-                 models: Optional[Callable[[], Iterable[Any]]] = None) -> None:
+                 models: Optional[Callable[[], Iterable[Any]]] = None, errors: Optional[list] = None) -> None:
         self.collate_fn = collate_fn
         self.buckets = buckets
         self._models = models
         self._resolved: Optional[tuple[Optional[int], str, Optional[int]]] = None
+        #: a refusal raised in a loader thread is lost there: it is kept here for the training thread to raise
+        self.errors = errors if errors is not None else []
+        self.off = False  # no pad token: this loader's batches stay as the collator made them
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         self._resolve()
         state["_resolved"], state["_models"] = self._resolved, None  # resolved before a worker gets a copy
+        state["errors"] = []  # a worker process's refusals surface as its own exception
         return state
 
     def _resolve(self) -> tuple[Optional[int], str, Optional[int]]:
@@ -137,10 +145,20 @@ class BucketPadder:
 
     def __call__(self, features: list[Any]) -> Any:
         batch = self.collate_fn(features)
-        if not isinstance(batch, Mapping):
+        if not isinstance(batch, Mapping) or self.off:
             return batch
         pad_id, side, cap = self._resolve()
-        return pad_batch(batch, self.buckets, pad_token_id=pad_id, padding_side=side, cap=cap)
+        try:
+            return pad_batch(batch, self.buckets, pad_token_id=pad_id, padding_side=side, cap=cap)
+        except MissingPadToken as err:
+            # fixed-length data (run_clm's blocks, a default collator) trained before without one: keep it running,
+            # unpadded, and say once what bucketing needs
+            self.off = True
+            logger.warning("pad_to_buckets is off for this data loader: %s", err)
+            return batch
+        except ConfigError as err:
+            self.errors.append(err)
+            return batch
 
 
 def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optional[int], padding_side: str = "right",
@@ -166,7 +184,7 @@ def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optio
         fill = PAD_VALUES[key]
         if fill is PAD_TOKEN:
             if pad_token_id is None:
-                raise ConfigError("pad_to_buckets needs a pad token id to pad input_ids: set tokenizer.pad_token (e.g. "
+                raise MissingPadToken("pad_to_buckets needs a pad token id to pad input_ids: set tokenizer.pad_token (e.g. "
                                   "tokenizer.pad_token = tokenizer.eos_token) or model.config.pad_token_id, or set "
                                   "pad_to_buckets: false")
             fill = pad_token_id
@@ -181,13 +199,14 @@ def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optio
         return out
 
 
-def pad_loader(loader: Any, buckets: Buckets, *, models: Optional[Callable[[], Iterable[Any]]] = None) -> Any:
+def pad_loader(loader: Any, buckets: Buckets, *, models: Optional[Callable[[], Iterable[Any]]] = None,
+               errors: Optional[list] = None) -> Any:
     """``loader`` with its ``collate_fn`` wrapped in a :class:`BucketPadder` (once); unchanged when off or when it
-    has no ``collate_fn``."""
+    has no ``collate_fn``. ``errors`` collects refusals for the training thread to raise (see :func:`watch_loader`)."""
     fn = getattr(loader, "collate_fn", None)
     if buckets is False or fn is None or isinstance(fn, BucketPadder):
         return loader
-    loader.collate_fn = BucketPadder(fn, buckets, models=models)
+    loader.collate_fn = BucketPadder(fn, buckets, models=models, errors=errors)
     return loader
 
 
@@ -228,8 +247,11 @@ class RecompileWatch:
     """Counts compiles per batch of one loader and reports those after warm-up that new input shapes caused."""
 
     def __init__(self, buckets: Buckets, *, step: Optional[Callable[[], Optional[int]]] = None,
-                 after_compile: Optional[Callable[[], None]] = None, warmup: int = WARMUP_BATCHES) -> None:
+                 after_compile: Optional[Callable[[], None]] = None, warmup: int = WARMUP_BATCHES,
+                 errors: Optional[list] = None) -> None:
         self.buckets = buckets
+        #: refusals of the padding collator (which may run in a loader thread), raised here in the training thread
+        self.errors = errors if errors is not None else []
         self.step = step
         self.after_compile = after_compile
         self.warmup = warmup
@@ -284,6 +306,8 @@ def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
             if sig is not None:
                 watch.stepped(sig, compile_count() - count)
             return
+        if watch.errors:
+            raise watch.errors.pop(0)
         now = compile_count()
         if sig is not None:
             watch.stepped(sig, now - count)

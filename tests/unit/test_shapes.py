@@ -241,3 +241,33 @@ def test_default_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV_CACHE)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_dir() == str(tmp_path / "hf_xla_fsdp" / "xla_cache")
+
+
+def test_without_a_pad_token_a_loader_stays_unpadded_with_one_warning(caplog):
+    def collate(feats):  # fixed-length blocks, no tokenizer, no model config: what run_clm-style data looks like
+        return {"input_ids": torch.tensor([f["input_ids"] for f in feats])}
+
+    padder = BucketPadder(collate, True)
+    with caplog.at_level(logging.WARNING, logger="hf_xla_fsdp.session.shapes"):
+        first, second = padder(features([24, 24])), padder(features([24, 24]))
+    assert first["input_ids"].shape == second["input_ids"].shape == (2, 24)
+    (record,) = caplog.records
+    assert record.getMessage().startswith("pad_to_buckets is off for this data loader: pad_to_buckets needs a pad "
+                                          "token id to pad input_ids: set tokenizer.pad_token")
+
+
+def test_a_refusal_in_the_loader_thread_is_raised_in_the_training_thread(monkeypatch):
+    monkeypatch.setattr(shapes, "compile_count", lambda: 0)
+    errors: list = []
+
+    def collate(feats):
+        ids = torch.tensor([f["input_ids"] for f in feats])
+        return {"weights": torch.ones(ids.shape), "input_ids": ids}
+
+    loader = torch.utils.data.DataLoader(features([5, 5]), batch_size=2, collate_fn=collate)
+    shapes.pad_loader(loader, True, errors=errors)
+    batch = next(iter(loader))  # the collator itself never raises (a loader thread would lose the error) ...
+    assert batch["input_ids"].shape == (2, 5) and len(errors) == 1
+    shapes.watch_loader(loader, RecompileWatch(True, errors=errors))
+    with pytest.raises(ConfigError, match="pad_to_buckets cannot pad the batch's 'weights'"):
+        list(loader)  # ... the watched loader raises it where the training loop runs
