@@ -145,7 +145,8 @@ class XlaFsdpPlugin:
         True, "XlaFsdpTrainer and XlaFsdpAccelerator's data loaders pad each batch's sequence length up to a few "
               "bucket lengths so varied text compiles a bounded number of graphs: true = powers of two from 64 up to "
               "the model's longest sequence; an int = multiples of it; a list = those lengths; false = off. "
-              "input_ids get the pad token, labels -100, attention masks 0, on the tokenizer's padding side")
+              "input_ids get the pad token (else eos, else 0: hidden by the mask), labels -100, attention masks 0, "
+              "on the tokenizer's padding side")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # the simple types, from the field descriptions

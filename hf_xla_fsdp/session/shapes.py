@@ -78,14 +78,16 @@ def _inner_collators(fn: Any) -> Iterator[Any]:
 
 
 def _collator_settings(fn: Any) -> tuple[Optional[int], Optional[str], Optional[int]]:
-    """Pad token id, padding side and the tokenizer's max length, from the collator's tokenizer or its own fields."""
+    """Pad token id (the eos id when there is no pad token), padding side and the tokenizer's max length, from the
+    collator's tokenizer or its own fields."""
     for inner in _inner_collators(fn):
         tok = getattr(inner, "tokenizer", None) or getattr(inner, "processing_class", None)
         tok = getattr(tok, "tokenizer", tok)  # a processor holds its tokenizer
         if tok is not None and hasattr(tok, "pad_token_id"):
             longest = getattr(tok, "model_max_length", None)
             longest = longest if isinstance(longest, int) and 0 < longest < 1_000_000 else None
-            return tok.pad_token_id, getattr(tok, "padding_side", None), longest
+            pad = tok.pad_token_id if tok.pad_token_id is not None else _one_id(getattr(tok, "eos_token_id", None))
+            return pad, getattr(tok, "padding_side", None), longest
         if getattr(inner, "pad_token_id", None) is not None:  # e.g. TRL's collators
             return inner.pad_token_id, getattr(inner, "padding_side", None), None
     return None, None, None
@@ -100,12 +102,16 @@ def _config_settings(models: Callable[[], Iterable[Any]]) -> tuple[Optional[int]
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         longest = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
                         if isinstance(getattr(config, k, None), int)), None)
-        return getattr(config, "pad_token_id", None), longest
+        pad = getattr(config, "pad_token_id", None)
+        return (pad if pad is not None else _one_id(getattr(config, "eos_token_id", None))), longest
     return None, None
 
 
-class MissingPadToken(ConfigError):
-    """No pad token id is known to pad ``input_ids`` with."""
+def _one_id(token_id: Any) -> Optional[int]:
+    """A token id, or the first of a list of them (configs may list several eos ids)."""
+    if isinstance(token_id, (list, tuple)):
+        token_id = token_id[0] if token_id else None
+    return token_id if isinstance(token_id, int) else None
 
 
 class BucketPadder:
@@ -125,7 +131,6 @@ class BucketPadder:
         self._resolved: Optional[tuple[Optional[int], str, Optional[int]]] = None
         #: a refusal raised in a loader thread is lost there: it is kept here for the training thread to raise
         self.errors = errors if errors is not None else []
-        self.off = False  # no pad token: this loader's batches stay as the collator made them
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -138,24 +143,19 @@ class BucketPadder:
         if self._resolved is None:
             pad_id, side, longest = _collator_settings(self.collate_fn)
             config_pad, config_longest = _config_settings(self._models) if self._models else (None, None)
-            pad_id = pad_id if pad_id is not None else config_pad
+            # no pad token (GPT-2, Llama): any id will do under a 0 attention mask and -100 labels; eos, else 0
+            pad_id = pad_id if pad_id is not None else config_pad if config_pad is not None else 0
             caps = [n for n in (longest, config_longest) if n]
             self._resolved = (pad_id, side or "right", min(caps) if caps else None)
         return self._resolved
 
     def __call__(self, features: list[Any]) -> Any:
         batch = self.collate_fn(features)
-        if not isinstance(batch, Mapping) or self.off:
+        if not isinstance(batch, Mapping):
             return batch
         pad_id, side, cap = self._resolve()
         try:
             return pad_batch(batch, self.buckets, pad_token_id=pad_id, padding_side=side, cap=cap)
-        except MissingPadToken as err:
-            # fixed-length data (run_clm's blocks, a default collator) trained before without one: keep it running,
-            # unpadded, and say once what bucketing needs
-            self.off = True
-            logger.warning("pad_to_buckets is off for this data loader: %s", err)
-            return batch
         except ConfigError as err:
             self.errors.append(err)
             return batch
@@ -184,7 +184,7 @@ def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optio
         fill = PAD_VALUES[key]
         if fill is PAD_TOKEN:
             if pad_token_id is None:
-                raise MissingPadToken("pad_to_buckets needs a pad token id to pad input_ids: set tokenizer.pad_token (e.g. "
+                raise ConfigError("pad_to_buckets needs a pad token id to pad input_ids: set tokenizer.pad_token (e.g. "
                                   "tokenizer.pad_token = tokenizer.eos_token) or model.config.pad_token_id, or set "
                                   "pad_to_buckets: false")
             fill = pad_token_id

@@ -107,7 +107,7 @@ def test_padding_reads_the_pad_id_through_the_trainers_column_remover_and_from_t
     assert batch["attention_mask"][:, :90].all()  # added: padded and unpadded batches share one graph
 
 
-def test_no_pad_token_or_an_unknown_per_token_key_is_one_line():
+def test_pad_batch_without_a_pad_id_or_with_an_unknown_per_token_key_is_one_line():
     ids = torch.ones(2, 10, dtype=torch.long)
     with pytest.raises(ConfigError, match="pad_to_buckets needs a pad token id to pad input_ids: set tokenizer.pad_token"):
         pad_batch({"input_ids": ids}, True, pad_token_id=None)
@@ -243,17 +243,34 @@ def test_default_cache_folder_follows_the_environment(monkeypatch, tmp_path):
     assert default_dir() == str(tmp_path / "hf_xla_fsdp" / "xla_cache")
 
 
-def test_without_a_pad_token_a_loader_stays_unpadded_with_one_warning(caplog):
-    def collate(feats):  # fixed-length blocks, no tokenizer, no model config: what run_clm-style data looks like
-        return {"input_ids": torch.tensor([f["input_ids"] for f in feats])}
+def test_without_a_pad_token_input_ids_are_padded_with_eos_or_0_under_a_zero_mask():
+    """GPT-2 / Llama tokenizers have no pad token: the padded positions' id is hidden by the 0 mask and -100 labels."""
+    from transformers import GPT2Config
 
-    padder = BucketPadder(collate, True)
-    with caplog.at_level(logging.WARNING, logger="hf_xla_fsdp.session.shapes"):
-        first, second = padder(features([24, 24])), padder(features([24, 24]))
-    assert first["input_ids"].shape == second["input_ids"].shape == (2, 24)
-    (record,) = caplog.records
-    assert record.getMessage().startswith("pad_to_buckets is off for this data loader: pad_to_buckets needs a pad "
-                                          "token id to pad input_ids: set tokenizer.pad_token")
+    def collate(feats):  # fixed-length blocks, as run_clm's default_data_collator gives them
+        ids = torch.tensor([f["input_ids"] for f in feats])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    batch = BucketPadder(collate, True)(features([24, 24]))  # no tokenizer, no model: 0
+    assert batch["input_ids"].shape == (2, 64) and (batch["input_ids"][:, 24:] == 0).all()
+    assert (batch["labels"][:, 24:] == -100).all() and batch["attention_mask"][:, 24:].sum() == 0
+
+    class Model(torch.nn.Module):
+        config = GPT2Config(eos_token_id=9, n_positions=50)
+
+    batch = BucketPadder(collate, True, models=lambda: [Model()])(features([24, 24]))
+    assert batch["input_ids"].shape == (2, 50) and (batch["input_ids"][:, 24:] == 9).all()  # the model's eos id
+    tok = word_tokenizer()
+    tok.pad_token, tok.eos_token = None, "w5"
+
+    class Blocks:  # a collator with a tokenizer that has no pad token (GPT-2's): its eos id
+        tokenizer = tok
+
+        def __call__(self, feats):
+            return collate(feats)
+
+    batch = BucketPadder(Blocks(), True)(features([24, 24]))
+    assert (batch["input_ids"][:, 24:] == tok.eos_token_id).all() and (batch["labels"][:, 24:] == -100).all()
 
 
 def test_a_refusal_in_the_loader_thread_is_raised_in_the_training_thread(monkeypatch):
