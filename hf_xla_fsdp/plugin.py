@@ -23,7 +23,7 @@ import torch
 
 from .config.keys import normalize, read_accelerate_yaml, read_settings_file
 from .errors import ConfigError
-from .settings import check_size, parse_bool, parse_dtype, parse_int
+from .settings import check_size, parse_bool, parse_buckets, parse_cache_dir, parse_dtype, parse_int
 
 if TYPE_CHECKING:  # keep torch_xla and transformers out of the import path of config-only users
     from transformers import PretrainedConfig
@@ -136,6 +136,17 @@ class XlaFsdpPlugin:
                                              "the next step boundary and stop cleanly: XlaFsdpTrainer when "
                                              "save_strategy is not 'no' (then exits with code 0); XlaFsdpAccelerator "
                                              "through accelerator.preempted")
+    compilation_cache_dir: Optional[str] = setting(
+        "auto", "folder of XLA's persistent compilation cache, set up before the first graph compiles: 'auto' = "
+                "$HF_XLA_FSDP_COMPILATION_CACHE or ~/.cache/hf_xla_fsdp/xla_cache (skipped once this torch_xla is "
+                "known not to load it back); a path; none/false = off. Process 0 of the job writes (holding a lock "
+                "file), every other process reads only (see docs/compile-time.md)")
+    pad_to_buckets: Union[bool, int, list[int]] = setting(
+        True, "XlaFsdpTrainer and XlaFsdpAccelerator's data loaders pad each batch's sequence length up to a few "
+              "bucket lengths so varied text compiles a bounded number of graphs: true = powers of two from 64 up to "
+              "the model's longest sequence; an int = multiples of it; a list = those lengths; false = off. "
+              "input_ids get the pad token (else eos, else 0: hidden by the mask), labels -100, attention masks 0, "
+              "on the tokenizer's padding side")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # the simple types, from the field descriptions
@@ -174,6 +185,8 @@ class XlaFsdpPlugin:
             raise ConfigError(f"checkpoint_storage={self.checkpoint_storage!r} is not valid; allowed values: "
                               + ", ".join(repr(f) for f in CHECKPOINT_STORAGES))
         self.checkpoint_storage = storage
+        self.compilation_cache_dir = parse_cache_dir(self.compilation_cache_dir)
+        self.pad_to_buckets = parse_buckets(self.pad_to_buckets)
         self.consolidate_dtype = str(self.consolidate_dtype).strip().lower()
         if self.consolidate_dtype != "auto":
             parse_dtype(self.consolidate_dtype, "consolidate_dtype")

@@ -64,3 +64,59 @@ def check_size(value: Any, field_name: str) -> None:
             raise ValueError
     except (TypeError, ValueError):
         raise ConfigError(f"{field_name}={value!r} is not a size; use bytes or a string such as '5GB' or '500MB'") from None
+
+
+_OFF = ("", "false", "no", "off", "none", "0", "null")
+_ON = ("true", "yes", "on", "1", "auto", "pow2")
+#: shortest bucket of ``pad_to_buckets: true`` (powers of two from here up to the model's longest sequence)
+MIN_BUCKET = 64
+
+
+def parse_buckets(value: Any, field_name: str = "pad_to_buckets") -> Union[bool, int, list[int]]:
+    """``pad_to_buckets``: True (powers of two), False (off), a multiple (int >= 8) or a list of lengths.
+
+    Text spellings (JSON, YAML, command lines) are accepted: ``"true"``, ``"false"``, ``"64"``, ``"128,256,512"``.
+    """
+    fix = "use true (powers of two), false, a multiple such as 64, or a list of lengths such as [128, 256, 512]"
+    if isinstance(value, bool) or value is None:
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _OFF or text in _ON:
+            return text in _ON
+        parts = [p.strip() for p in text.strip("[]()").split(",") if p.strip()]
+        value = parts[0] if len(parts) == 1 else parts
+    try:
+        if isinstance(value, (list, tuple)):
+            lengths = sorted({parse_int(v, field_name, 1) for v in value})
+            if not lengths:
+                raise ConfigError
+            return lengths
+        multiple = parse_int(value, field_name, 0)
+    except ConfigError:
+        raise ConfigError(f"{field_name}={value!r} is not valid; {fix}") from None
+    if multiple == 0:
+        return False
+    if multiple < 8:
+        raise ConfigError(f"{field_name}={value!r} is too small a multiple; {fix}")
+    return multiple
+
+
+def parse_cache_dir(value: Any, field_name: str = "compilation_cache_dir") -> Optional[str]:
+    """``compilation_cache_dir``: a folder, ``"auto"`` (the default folder), or off (None, "", false, "none")."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "auto"
+    if isinstance(value, (str, bytes)) or hasattr(value, "__fspath__"):
+        import os
+
+        text = os.fsdecode(value).strip()
+        if text.lower() in _OFF:
+            return None
+        if text.lower() in ("auto", "true", "yes", "on"):
+            return "auto"
+        if "://" in text:  # torch_xla reads and writes the folder with local file calls
+            raise ConfigError(f"{field_name}={text!r}: the compilation cache needs a local or mounted folder, not a URL")
+        return os.path.abspath(os.path.expanduser(text))
+    raise ConfigError(f"{field_name}={value!r} must be a folder path, 'auto' or false")

@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # every test runs on XLA:CPU
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# tests never write the user's default compilation cache; the cache tests choose their folders
+os.environ.setdefault("HF_XLA_FSDP_COMPILATION_CACHE", "none")
 
 import pytest
 from helpers import tiny_bert, tiny_gpt2, tiny_llama

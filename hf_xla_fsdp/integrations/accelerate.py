@@ -187,7 +187,9 @@ class XlaFsdpAccelerator(Accelerator):
 
     def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None,
                             slice_fn_for_dispatch: Any = None) -> Any:
-        """accelerate's loader, adjusted by the engine (FSDP v2: every batch split over all devices on its way in)."""
+        """accelerate's loader, adjusted by the engine (FSDP v2: every batch split over all devices on its way in), its
+        batches padded to the ``pad_to_buckets`` lengths, and new graphs after warm-up logged (one line each)."""
+        data_loader = self.xla_fsdp_session.pad_batches(data_loader, models=lambda: self._models)  # pad_to_buckets
         loader = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                              slice_fn_for_dispatch=slice_fn_for_dispatch)
         return self.xla_fsdp_session.prepare_loader(loader)

@@ -87,6 +87,7 @@ class XlaFsdpTrainerMixin:
         plugin = adjust_for_xla(fsdp_plugin, args) if fsdp_plugin is not None else plugin_from_training_args(args)
         self.xla_fsdp_session = XlaFsdpSession(plugin)
         self.xla_fsdp_session.checkpoints.progress = not args.disable_tqdm
+        self.xla_fsdp_session.step_source = lambda: self.state.global_step  # named when a new graph compiles late
         self.xla_fsdp_session.setup_runtime(
             counted_processes=args.world_size,
             what=f"TrainingArguments (accelerate's PartialState, {args.world_size} process(es) counted)")

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..engines import engine_for, is_wrapped, unit_classes
 from ..errors import ConfigError
+from . import compile_cache, shapes
 from .checkpoints import CheckpointManager
 from .preemption import PreemptionGuard
 
@@ -36,6 +37,9 @@ class XlaFsdpSession:
         self.engine = engine_for(plugin)
         self.checkpoints = CheckpointManager(self, barrier=barrier)
         self._preemption: Optional[PreemptionGuard] = None
+        #: the training step now (set by an entry point that counts steps), named when a new graph compiles late
+        self.step_source: Optional[Callable[[], Optional[int]]] = None
+        self._pad_errors: list = []  # refusals of the padding collators (loader threads), raised in the training thread
 
     def __repr__(self) -> str:
         return f"XlaFsdpSession({self.engine.title}, sharding={self.plugin.sharding!r})"
@@ -51,6 +55,9 @@ class XlaFsdpSession:
         if counted_processes is not None and not self.engine.runtime_ready(counted_processes):
             raise ConfigError(self.engine.runtime_too_late(what))
         self.engine.setup_runtime(self.plugin, what=what)
+        from ..runtime import process_index
+
+        compile_cache.setup(self.plugin.compilation_cache_dir, process_index)  # before the first compile
 
     # ----------------------------------------------------------------- models
     def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
@@ -133,9 +140,19 @@ class XlaFsdpSession:
         if create_state(optimizer, self.engine.zeros_like):
             self.engine.sync()
 
+    def pad_batches(self, loader: Any, models: Optional[Callable[[], Any]] = None) -> Any:
+        """A host data loader whose batches are padded to the ``pad_to_buckets`` lengths (see :mod:`.shapes`);
+        ``models`` gives the prepared models (their config's pad token and longest sequence), read at the first batch."""
+        inner = (lambda: [self.unwrap(m) for m in models()]) if models is not None else None
+        return shapes.pad_loader(loader, self.plugin.pad_to_buckets, models=inner, errors=self._pad_errors)
+
     def prepare_loader(self, loader: Any) -> Any:
-        """An XLA device loader adjusted for the engine (FSDP v2: every batch split over all devices)."""
-        return self.engine.prepare_loader(loader, self.plugin)
+        """An XLA device loader adjusted for the engine (FSDP v2: every batch split over all devices) that logs one
+        line when, after warm-up, new input shapes compile a new graph."""
+        loader = self.engine.prepare_loader(loader, self.plugin)
+        watch = shapes.RecompileWatch(self.plugin.pad_to_buckets, step=lambda: self.step_source and self.step_source(),
+                                      after_compile=compile_cache.check, errors=self._pad_errors)
+        return shapes.watch_loader(loader, watch)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients over every shard of every rank; returns the total norm."""

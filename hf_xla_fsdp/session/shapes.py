@@ -1,0 +1,342 @@
+"""Bounded graph shapes: batches padded to a few bucket lengths, and one line when a new graph compiles anyway.
+
+XLA compiles one graph per distinct set of input shapes. A collator that pads each batch to its own longest text
+(transformers' ``DataCollatorForLanguageModeling``, ``DataCollatorWithPadding``) gives a new sequence length, so a
+new compile, for nearly every batch of varied text. :class:`BucketPadder` wraps a data loader's ``collate_fn`` and
+pads the sequence dimension further, up to the next bucket length (``pad_to_buckets``): ``input_ids`` with the pad
+token, ``labels`` with -100, attention masks with 0, on the tokenizer's padding side; so a run compiles at most one
+graph per bucket. :func:`watch_loader` makes a prepared (device) loader count the runtime's compiles between two
+batches (``UncachedCompile``, a counter read: no hashing) and, after warm-up, log one line naming the batch, the
+input shapes that changed (old -> new) and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+
+import torch
+
+from ..errors import ConfigError
+from ..settings import MIN_BUCKET
+
+logger = logging.getLogger(__name__)
+
+Buckets = Union[bool, int, list[int]]
+
+#: batches of a loader that may compile freely (the first steps compile the step, the optimizer's lazy state ...)
+WARMUP_BATCHES = 3
+#: warning lines per loader; later new graphs are counted, not logged
+MAX_REPORTS = 5
+PAD_TOKEN = object()  # stands for the pad token id in PAD_VALUES
+#: what each per-token key of a batch is padded with
+PAD_VALUES: dict[str, Any] = {
+    "input_ids": PAD_TOKEN, "decoder_input_ids": PAD_TOKEN, "labels": -100, "attention_mask": 0,
+    "decoder_attention_mask": 0, "token_type_ids": 0, "position_ids": 0, "special_tokens_mask": 1,
+    "completion_mask": 0, "assistant_masks": 0, "loss_mask": 0,
+}
+_FIX_BUCKETS = ("set pad_to_buckets: true (off here), or pad every batch to a few fixed lengths yourself (the "
+                "tokenizer's padding='max_length' with a max_length, or the collator's pad_to_multiple_of=64)")
+
+
+# --------------------------------------------------------------------------- bucket lengths
+def bucket_length(length: int, buckets: Buckets, cap: Optional[int] = None) -> int:
+    """The padded length of a ``length``-token batch under ``buckets`` (see ``XlaFsdpPlugin.pad_to_buckets``).
+
+    ``cap``: the longest sequence the model takes; a bucket past it is cut to it (a batch already longer is only
+    padded by the rule, the model will say what is wrong with it).
+    """
+    if buckets is False or length <= 0:
+        return length
+    if buckets is True:
+        out = max(MIN_BUCKET, 1 << (length - 1).bit_length())
+    elif isinstance(buckets, int):
+        out = -(-length // buckets) * buckets
+    else:
+        out = next((b for b in buckets if b >= length), -(-length // buckets[-1]) * buckets[-1])
+    if cap is not None and length <= cap < out:
+        out = cap
+    return out
+
+
+def bucket_lengths(buckets: Buckets, cap: int) -> list[int]:
+    """Every length a batch of at most ``cap`` tokens can be padded to (how many graphs a run compiles at most)."""
+    if buckets is False:
+        return list(range(1, cap + 1))
+    return sorted({bucket_length(n, buckets, cap) for n in range(1, cap + 1)})
+
+
+# --------------------------------------------------------------------------- padding
+def _inner_collators(fn: Any) -> Iterator[Any]:
+    """``fn`` and the collators it wraps (the Trainer's RemoveColumnsCollator, functools.partial, ours)."""
+    seen = set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        yield fn
+        fn = getattr(fn, "data_collator", None) or getattr(fn, "collate_fn", None) or getattr(fn, "func", None)
+
+
+def _collator_settings(fn: Any) -> tuple[Optional[int], Optional[str], Optional[int]]:
+    """Pad token id (the eos id when there is no pad token), padding side and the tokenizer's max length, from the
+    collator's tokenizer or its own fields."""
+    for inner in _inner_collators(fn):
+        tok = getattr(inner, "tokenizer", None) or getattr(inner, "processing_class", None)
+        tok = getattr(tok, "tokenizer", tok)  # a processor holds its tokenizer
+        if tok is not None and hasattr(tok, "pad_token_id"):
+            longest = getattr(tok, "model_max_length", None)
+            longest = longest if isinstance(longest, int) and 0 < longest < 1_000_000 else None
+            pad = tok.pad_token_id if tok.pad_token_id is not None else _one_id(getattr(tok, "eos_token_id", None))
+            return pad, getattr(tok, "padding_side", None), longest
+        if getattr(inner, "pad_token_id", None) is not None:  # e.g. TRL's collators
+            return inner.pad_token_id, getattr(inner, "padding_side", None), None
+    return None, None, None
+
+
+def _config_settings(models: Callable[[], Iterable[Any]]) -> tuple[Optional[int], Optional[int]]:
+    """Pad token id and longest sequence from the configs of the (unwrapped) prepared models."""
+    for model in models():
+        config = getattr(model, "config", None)
+        if config is None:
+            continue
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        longest = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                        if isinstance(getattr(config, k, None), int)), None)
+        pad = getattr(config, "pad_token_id", None)
+        return (pad if pad is not None else _one_id(getattr(config, "eos_token_id", None))), longest
+    return None, None
+
+
+def _one_id(token_id: Any) -> Optional[int]:
+    """A token id, or the first of a list of them (configs may list several eos ids)."""
+    if isinstance(token_id, (list, tuple)):
+        token_id = token_id[0] if token_id else None
+    return token_id if isinstance(token_id, int) else None
+
+
+class BucketPadder:
+    """A ``collate_fn`` that pads what ``collate_fn`` returns up to the bucket lengths (picklable for workers).
+
+    Each per-token tensor of the batch (2-D, ``[batch, tokens]``; the keys of ``PAD_VALUES``) is padded along its
+    token dimension to ``bucket_length`` of its own length; an ``attention_mask`` is added when the batch has
+    ``input_ids`` and none. Another 2-D tensor as long as ``input_ids`` is refused (one line), since its padding
+    value is unknown. Batches that are not mappings of tensors pass unchanged.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], buckets: Buckets, *,
+                 models: Optional[Callable[[], Iterable[Any]]] = None, errors: Optional[list] = None) -> None:
+        self.collate_fn = collate_fn
+        self.buckets = buckets
+        self._models = models
+        self._resolved: Optional[tuple[Optional[int], str, Optional[int]]] = None
+        #: a refusal raised in a loader thread is lost there: it is kept here for the training thread to raise
+        self.errors = errors if errors is not None else []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        self._resolve()
+        state["_resolved"], state["_models"] = self._resolved, None  # resolved before a worker gets a copy
+        state["errors"] = []  # a worker process's refusals surface as its own exception
+        return state
+
+    def _resolve(self) -> tuple[Optional[int], str, Optional[int]]:
+        if self._resolved is None:
+            pad_id, side, longest = _collator_settings(self.collate_fn)
+            config_pad, config_longest = _config_settings(self._models) if self._models else (None, None)
+            # no pad token (GPT-2, Llama): any id will do under a 0 attention mask and -100 labels; eos, else 0
+            pad_id = pad_id if pad_id is not None else config_pad if config_pad is not None else 0
+            caps = [n for n in (longest, config_longest) if n]
+            self._resolved = (pad_id, side or "right", min(caps) if caps else None)
+        return self._resolved
+
+    def __call__(self, features: list[Any]) -> Any:
+        batch = self.collate_fn(features)
+        if not isinstance(batch, Mapping):
+            return batch
+        pad_id, side, cap = self._resolve()
+        try:
+            return pad_batch(batch, self.buckets, pad_token_id=pad_id, padding_side=side, cap=cap)
+        except ConfigError as err:
+            self.errors.append(err)
+            return batch
+
+
+def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optional[int], padding_side: str = "right",
+              cap: Optional[int] = None) -> Any:
+    """``batch`` (a mapping; the same type is returned) with its per-token tensors padded to the bucket lengths."""
+    ids = batch.get("input_ids")
+    ids_len = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+    out = dict(batch)
+    if ids_len is not None and "attention_mask" not in out:  # always, so padded and unpadded batches share a graph
+        out["attention_mask"] = torch.ones_like(ids, dtype=torch.long)
+    for key, value in out.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            continue
+        if key not in PAD_VALUES:
+            if value.shape[1] == ids_len:
+                raise ConfigError(f"pad_to_buckets cannot pad the batch's {key!r} (its padding value is unknown); pad "
+                                  "it yourself to fixed lengths and set pad_to_buckets: false")
+            continue
+        length = value.shape[1]
+        target = bucket_length(length, buckets, cap)
+        if target == length:
+            continue
+        fill = PAD_VALUES[key]
+        if fill is PAD_TOKEN:
+            if pad_token_id is None:
+                raise ConfigError("pad_to_buckets needs a pad token id to pad input_ids: set tokenizer.pad_token (e.g. "
+                                  "tokenizer.pad_token = tokenizer.eos_token) or model.config.pad_token_id, or set "
+                                  "pad_to_buckets: false")
+            fill = pad_token_id
+        pad = value.new_full((value.shape[0], target - length), fill)
+        out[key] = torch.cat([pad, value] if padding_side == "left" else [value, pad], dim=1)
+    if isinstance(batch, dict) and type(batch) is dict:
+        return out
+    try:  # BatchEncoding and other mapping types keep their type
+        new = type(batch)(out)
+        return new
+    except Exception:  # noqa: BLE001 - a mapping we cannot rebuild: a plain dict works for every model call
+        return out
+
+
+def pad_loader(loader: Any, buckets: Buckets, *, models: Optional[Callable[[], Iterable[Any]]] = None,
+               errors: Optional[list] = None) -> Any:
+    """``loader`` with its ``collate_fn`` wrapped in a :class:`BucketPadder` (once); unchanged when off or when it
+    has no ``collate_fn``. ``errors`` collects refusals for the training thread to raise (see :func:`watch_loader`)."""
+    fn = getattr(loader, "collate_fn", None)
+    if buckets is False or fn is None or isinstance(fn, BucketPadder):
+        return loader
+    loader.collate_fn = BucketPadder(fn, buckets, models=models, errors=errors)
+    return loader
+
+
+# --------------------------------------------------------------------------- new graphs after warm-up
+def compile_count() -> int:
+    """Graphs this process has compiled so far (torch_xla's ``UncachedCompile`` counter)."""
+    import torch_xla.debug.metrics as met
+
+    return int(met.counter_value("UncachedCompile") or 0)
+
+
+Signature = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def signature(batch: Any) -> Signature:
+    """Names, shapes and dtypes of a batch's tensors (shape metadata only: nothing is synced)."""
+    items = batch.items() if isinstance(batch, Mapping) else enumerate(batch if isinstance(batch, (list, tuple))
+                                                                        else [batch])
+    return tuple((str(k), tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                 for k, v in items if isinstance(v, torch.Tensor))
+
+
+def describe_change(old: Optional[Signature], new: Signature) -> str:
+    """``input_ids (8, 87) -> (8, 93), ...``: what differs between two signatures."""
+    before = {k: (s, d) for k, s, d in (old or ())}
+    parts = []
+    for key, shape, dtype in new:
+        if key not in before:
+            parts.append(f"{key} {shape} {dtype} (new input)")
+        elif before[key] != (shape, dtype):
+            (s0, d0) = before[key]
+            parts.append(f"{key} {s0}{'' if d0 == dtype else ' ' + d0} -> {shape}{'' if d0 == dtype else ' ' + dtype}")
+    parts += [f"{key} removed" for key in before if key not in {k for k, _, _ in new}]
+    return ", ".join(parts) or "no input changed shape (something else in the step changed)"
+
+
+class RecompileWatch:
+    """Counts compiles per batch of one loader and reports those after warm-up that new input shapes caused."""
+
+    def __init__(self, buckets: Buckets, *, step: Optional[Callable[[], Optional[int]]] = None,
+                 after_compile: Optional[Callable[[], None]] = None, warmup: int = WARMUP_BATCHES,
+                 errors: Optional[list] = None) -> None:
+        self.buckets = buckets
+        #: refusals of the padding collator (which may run in a loader thread), raised here in the training thread
+        self.errors = errors if errors is not None else []
+        self.step = step
+        self.after_compile = after_compile
+        self.warmup = warmup
+        self.batches = 0
+        self.new_graphs = 0  # after warm-up, caused by new input shapes
+        self.seen: set[Signature] = set()
+        self.last: Optional[Signature] = None
+
+    def stepped(self, sig: Signature, compiled: int) -> None:
+        """Batch ``sig`` has been used and ``compiled`` graphs were compiled meanwhile."""
+        self.batches += 1
+        new_shape = sig not in self.seen
+        self.seen.add(sig)
+        previous, self.last = self.last, sig
+        if compiled and self.after_compile is not None:
+            self.after_compile()
+        if not compiled or not new_shape or self.batches <= self.warmup:
+            return
+        self.new_graphs += 1
+        step = self.step() if self.step is not None else None
+        where = f"step {step} (batch {self.batches} of this data loader)" if step else f"batch {self.batches}"
+        change = describe_change(previous, sig)
+        level, fix = self._fix(previous, sig)
+        if self.new_graphs > MAX_REPORTS:
+            return
+        tail = "; later new graphs of this data loader are not logged" if self.new_graphs == MAX_REPORTS else ""
+        logger.log(level, "%s compiled a new XLA graph after warm-up: %s; %s%s", where, change, fix, tail)
+
+    def _fix(self, old: Optional[Signature], new: Signature) -> tuple[int, str]:
+        """Log level and the fix for a change from ``old`` to ``new``."""
+        before = {k: s for k, s, _ in (old or ())}
+        changed = [(before[k], s) for k, s, _ in new if k in before and before[k] != s]
+        if changed and any(a and b and a[0] != b[0] for a, b in changed):
+            return logging.WARNING, ("the batch size changed (a last, smaller batch): set dataloader_drop_last=True "
+                                     "(TrainingArguments) or drop_last=True (DataLoader)")
+        if changed and self.buckets is not False and all(len(a) == len(b) and a[0] == b[0] for a, b in changed):
+            return logging.INFO, "a bucket length not seen before (expected once per bucket, pad_to_buckets)"
+        if self.buckets is False:
+            return logging.WARNING, f"fix: {_FIX_BUCKETS}"
+        return logging.WARNING, "fix: keep every batch's shapes and dtypes the same (pad to fixed lengths)"
+
+
+def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
+    """Yield ``inner``'s batches; the compiles between two ``next`` calls belong to the step of the batch before
+    (an XLA device loader cuts and runs the previous step's graph when the next batch is asked for)."""
+    count = compile_count()
+    sig: Optional[Signature] = None
+    while True:
+        try:
+            batch = next(inner)
+        except StopIteration:
+            if sig is not None:
+                watch.stepped(sig, compile_count() - count)
+            return
+        if watch.errors:
+            raise watch.errors.pop(0)
+        now = compile_count()
+        if sig is not None:
+            watch.stepped(sig, now - count)
+        count, sig = now, signature(batch)
+        yield batch
+
+
+@functools.cache
+def _watched_class(cls: type) -> type:
+    def __iter__(self: Any) -> Iterator[Any]:
+        return _watched_iter(iter(super(watched, self).__iter__()), self._hf_xla_fsdp_watch)
+
+    watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+    return watched
+
+
+def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
+    """``loader`` itself (same object, same class for ``isinstance``) whose iteration reports new graphs to
+    ``watch``; unchanged when its class cannot take a subclass."""
+    if getattr(loader, "_hf_xla_fsdp_watch", None) is not None:
+        return loader
+    try:
+        loader.__class__ = _watched_class(type(loader))
+        loader._hf_xla_fsdp_watch = watch
+    except TypeError:
+        logger.debug("%s cannot be watched for new graphs", type(loader).__name__)
+    return loader
+
+
+__all__ = ["BucketPadder", "RecompileWatch", "bucket_length", "bucket_lengths", "compile_count", "pad_batch",
+           "pad_loader", "signature", "watch_loader"]
