@@ -8,7 +8,7 @@ tests which engine runs. torch_xla is imported inside methods only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -125,6 +125,12 @@ class Engine:
         from torch_xla.distributed.fsdp import checkpoint_module
 
         return checkpoint_module(block)
+
+    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> tuple[Optional[Callable[[torch.Tensor, torch.Tensor], None]],
+                                                                Optional[Callable[[torch.Tensor], None]]]:
+        """For ``scan_layers``: how to annotate a weight stacked over the layers like one layer's weight, and the
+        scan's output like a block's output (None: nothing to annotate)."""
+        return None, None
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside FSDP units (and their inner wrappers), or ``model``."""

@@ -266,6 +266,20 @@ class XlaFsdpV2(Engine):
                         buf.data = buf.data.to(plugin.buffer_dtype)
         return wrapped
 
+    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> tuple[Any, Any]:
+        mesh = get_mesh(plugin)
+
+        def shard_stacked(stacked: torch.Tensor, like: torch.Tensor) -> None:
+            import torch_xla
+            import torch_xla.distributed.spmd as xs
+            from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+            # the layer axis stays whole (the loop walks it); each layer's slice keeps its FSDP split
+            if like.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_spec(like):
+                xs.mark_sharding(stacked, mesh, (None, *_prepare_spmd_partition_spec(like, shard_maximal=True)))
+
+        return shard_stacked, lambda output: shard_output(output, mesh)
+
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         attach(model, optimizer)
 

@@ -114,7 +114,24 @@ class XlaFsdpSession:
         return self.engine.wrap_block(block, self.plugin, nested)
 
     def _wrap_root(self, model: nn.Module) -> nn.Module:
-        return self.engine.wrap_root(model, self.plugin)
+        if self.plugin.scan_layers and getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False  # a KV cache cannot live in a scan: evaluation scans too
+        wrapped = self.engine.wrap_root(model, self.plugin)
+        if self.plugin.scan_layers:
+            self._install_scan(wrapped)
+        return wrapped
+
+    def _install_scan(self, wrapped: nn.Module) -> None:
+        """Run the wrapped model's stack of identical blocks (its FSDP units) as one scanned layer."""
+        from ..modeling.scan import install
+
+        inner = self.engine.unwrap(wrapped)
+        names = set(self.plugin.transformer_layer_cls_to_wrap or getattr(inner, "_no_split_modules", None) or ())
+        blocks = [m for m in inner.modules() if m is not inner
+                  and (isinstance(m, self.engine.unit_class()) or type(self.engine.unwrap(m)).__name__ in names)]
+        shard_stacked, shard_output = self.engine.scan_annotations(self.plugin)
+        install(inner, blocks, unwrap=self.engine.unwrap, remat=self.plugin.activation_checkpointing,
+                shard_stacked=shard_stacked, shard_output=shard_output)
 
     @staticmethod
     def _check_not_wrapped(model: nn.Module) -> None:

@@ -1,0 +1,147 @@
+"""``scan_layers`` against the unrolled model, in one SPMD process over 4 XLA:CPU devices (FSDP v2).
+
+    python scan_worker.py {equal,lora,resume} [--out DIR]
+
+Prints one JSON line. ``equal``: Llama (with and without activation checkpointing) and GPT-2 (tied embeddings),
+the same initial weights trained 2 AdamW steps unrolled and scanned: losses, the largest gradient and parameter
+differences. ``lora``: the same for a PEFT LoRA model (adapter gradients). ``resume``: a scanned model built on
+meta from a pretrained directory trains and saves a checkpoint, an unrolled one loads it (parameter differences)
+and the checkpoint consolidates into a directory whose ``from_pretrained`` logits are compared with the scanned model.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch_xla
+import torch_xla.runtime as xr
+
+xr.use_spmd()
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM  # noqa: E402
+
+from helpers import tiny_gpt2, tiny_llama  # noqa: E402
+from hf_xla_fsdp import XlaFsdpPlugin, XlaFsdpSession  # noqa: E402
+
+STEPS = 2
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 96, (4, 16), generator=g) for _ in range(STEPS)]
+
+
+def make(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return GPT2LMHeadModel(tiny_gpt2(vocab_size=96, n_layer=3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return LlamaForCausalLM(tiny_llama(vocab_size=96, num_hidden_layers=3))
+
+
+def train(model: torch.nn.Module, session: XlaFsdpSession) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``STEPS`` AdamW steps; the losses, and the gradients of the first step (by the user's parameter names)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = session.prepare_optimizer(model, torch.optim.AdamW(params, lr=1e-2))
+    names = session.original_names(model)
+    losses, grads = [], {}
+    for step, ids in enumerate(batches()):
+        ids = ids.to(torch_xla.device())
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if step == 0:
+            grads = {names[n]: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def params(model: torch.nn.Module, session: XlaFsdpSession) -> dict[str, torch.Tensor]:
+    names = session.original_names(model)
+    return {names[n]: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def compare(build, **settings) -> dict:
+    runs = {}
+    for scan in (False, True):
+        session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=scan, **settings))
+        model = build(session)
+        losses, grads = train(model, session)
+        runs[scan] = (losses, grads, params(model, session))
+    (l0, g0, p0), (l1, g1, p1) = runs[False], runs[True]
+    return {"losses": [l0, l1], "grad_diff": max_diff(g0, g1), "param_diff": max_diff(p0, p1),
+            "grad_max": max(g.abs().max().item() for g in g0.values()), "n_grads": len(g1)}
+
+
+def cmd_equal(args: argparse.Namespace) -> dict:
+    return {
+        "llama": compare(lambda s: s.wrap_model(make("llama"))),
+        "llama_ckpt": compare(lambda s: s.wrap_model(make("llama")), activation_checkpointing=True),
+        "gpt2": compare(lambda s: s.wrap_model(make("gpt2"))),
+    }
+
+
+def cmd_lora(args: argparse.Namespace) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    def build(session: XlaFsdpSession) -> torch.nn.Module:
+        model = get_peft_model(make("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         lora_dropout=0.0, init_lora_weights=False))
+        return session.wrap_model(model)
+
+    return compare(build)
+
+
+def cmd_resume(args: argparse.Namespace) -> dict:
+    from hf_xla_fsdp.checkpoint.consolidate import consolidate_into
+
+    out = Path(args.out)
+    pretrained = out / "pretrained"
+    make("llama").save_pretrained(pretrained)
+    scanned_session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=True))
+    scanned = scanned_session.build_model(pretrained, progress=False)  # meta, block by block
+    scanned_is_scanned = any(type(m).__name__ == "ScannedLayers" for m in scanned.modules())
+    train(scanned, scanned_session)
+    ckpt = out / "ckpt"
+    scanned_session.checkpoints.save(ckpt, scanned)
+    unrolled_session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=False))
+    unrolled = unrolled_session.build_model(pretrained, progress=False)
+    unrolled_session.checkpoints.load(ckpt, unrolled)
+    resumed_diff = max_diff(params(scanned, scanned_session), params(unrolled, unrolled_session))
+    consolidated = out / "consolidated"
+    consolidate_into(ckpt, consolidated)
+    reloaded = AutoModelForCausalLM.from_pretrained(consolidated)
+    ids = batches()[0]
+    with torch.no_grad():
+        scanned.eval()
+        want = scanned(input_ids=ids.to(torch_xla.device())).logits.cpu()
+        got = reloaded(input_ids=ids).logits
+    return {"scanned": scanned_is_scanned, "resumed_diff": resumed_diff, "logits_diff": (want - got).abs().max().item(),
+            "names_equal": sorted(reloaded.state_dict()) == sorted(make("llama").state_dict())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["equal", "lora", "resume"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.out is None:
+        args.out = tempfile.mkdtemp()
+    result = {"equal": cmd_equal, "lora": cmd_lora, "resume": cmd_resume}[args.what](args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
