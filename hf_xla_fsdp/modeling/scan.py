@@ -22,6 +22,7 @@ checkpointing, which cannot run inside a traced body.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -203,8 +204,6 @@ class ScanStep:
         return out
 
     def _scanned(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        from torch_xla.experimental.scan import scan
-
         config = self._config
         inner = [config.unwrap(layer) for layer in self._layers]
         first = inner[0]
@@ -247,7 +246,7 @@ class ScanStep:
 
             partition_fn = min_cut_rematerialization_partition
         extra = {"partition_fn": partition_fn} if partition_fn is not None else {}
-        final, tail = scan(body, hidden_states, (stacked, tuple(inputs)), is_fn_pure=True, **extra)
+        final = _scan(body, hidden_states, (stacked, tuple(inputs)), **extra)
         if config.shard_output is not None:
             config.shard_output(final)
         meta = body.output_tail  # type: ignore[attr-defined]
@@ -265,6 +264,50 @@ class _Stack(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(g.clone() for g in grad.unbind(0))
+
+
+def _scan(body: Callable, init: torch.Tensor, xs: Any, **options: Any) -> torch.Tensor:
+    """``torch_xla.experimental.scan.scan(body, init, xs)``'s final carry, with a backward that works without jax.
+
+    Under SPMD, torch_xla's own backward ties each gradient's sharding to its input's with jax's ``shard_alike``,
+    which needs jax and torchax in the process (torchax renames PyTorch's PrivateUse1 backend: pinned-memory data
+    loaders then fail). Here the gradients of the stacked weights get their sharding from the weights they flow
+    back into (``_Stack``'s backward), so the plain backward is used.
+    """
+    from torch_xla.experimental import scan as xscan
+
+    forward, alias_input, backward = xscan.value_and_grad_partitioned(body, init, xs, is_fn_pure=True, **options)
+    carry, _ = _scan_function().apply(forward, alias_input, backward, init, xs)
+    return carry
+
+
+@functools.cache
+def _scan_function() -> type:
+    """torch_xla's ``Scan`` autograd function (same forward) with the backward loop run as traced, no ``shard_as``."""
+    from torch_xla.experimental import scan as xscan
+    from torch_xla.experimental.pytreeify import pytreeify
+
+    @pytreeify
+    class _Scan(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, forward: Callable, alias_input: Callable, backward: Callable, init: Any, xs: Any) -> Any:
+            with torch.no_grad():
+                carry, ys = xscan._scan_impl_pytree(forward, init, xs)
+                ys, partial_activations = ys
+            activations = alias_input(partial_activations, xs)
+            ctx._backward = backward
+            xscan._save_for_backward(ctx, {"init": init, "xs": xs, "activations": activations})
+            return carry, ys
+
+        @staticmethod
+        def backward(ctx: Any, grad_carry: Any, grad_ys: Any) -> Any:
+            saved = xscan._load_from_context(ctx)
+            with torch.no_grad():
+                grad_init, grad_xs = xscan._scan_impl_pytree(ctx._backward, grad_carry,
+                                                             (grad_ys, saved["activations"]), reverse=True)
+            return None, None, None, grad_init, grad_xs
+
+    return _Scan
 
 
 def _hashable(value: Any) -> bool:
