@@ -294,7 +294,7 @@ class RecompileWatch:
         return logging.WARNING, "fix: keep every batch's shapes and dtypes the same (pad to fixed lengths)"
 
 
-def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
+def _watched_iter(inner: Iterator[Any], watch: RecompileWatch, failures: Optional[list] = None) -> Iterator[Any]:
     """Yield ``inner``'s batches; the compiles between two ``next`` calls belong to the step of the batch before
     (an XLA device loader cuts and runs the previous step's graph when the next batch is asked for)."""
     count = compile_count()
@@ -303,6 +303,8 @@ def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
         try:
             batch = next(inner)
         except StopIteration:
+            if failures:  # the host loader failed in the device loader's thread, which ended the data silently
+                raise failures.pop(0) from None
             if sig is not None:
                 watch.stepped(sig, compile_count() - count)
             return
@@ -318,11 +320,45 @@ def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
 @functools.cache
 def _watched_class(cls: type) -> type:
     def __iter__(self: Any) -> Iterator[Any]:
-        return _watched_iter(iter(super(watched, self).__iter__()), self._hf_xla_fsdp_watch)
+        failures = getattr(getattr(self, "_loader", None), "_hf_xla_fsdp_failures", None)
+        return _watched_iter(iter(super(watched, self).__iter__()), self._hf_xla_fsdp_watch, failures)
 
     watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__})
     return watched
+
+
+def _captured_iter(inner: Iterator[Any], failures: list) -> Iterator[Any]:
+    try:
+        yield from inner
+    except Exception as err:  # noqa: BLE001 - any failure: the training thread raises it (see capture_errors)
+        failures.append(err)
+
+
+@functools.cache
+def _capturing_class(cls: type) -> type:
+    def __iter__(self: Any) -> Iterator[Any]:
+        return _captured_iter(iter(super(capturing, self).__iter__()), self._hf_xla_fsdp_failures)
+
+    capturing = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
+                                            "__qualname__": cls.__qualname__})
+    return capturing
+
+
+def capture_errors(loader: Any) -> Any:
+    """``loader`` (an XLA device loader) whose host loader (``loader._loader``, read in a background thread) keeps a
+    failure instead of dying with the thread: torch_xla's thread then closes the queue, and the training loop saw the
+    data end (0 steps, exit code 0). :func:`watch_loader`'s iteration raises it in the training thread once the
+    batches read before the failure are used."""
+    host = getattr(loader, "_loader", None)
+    if host is None or getattr(host, "_hf_xla_fsdp_failures", None) is not None:
+        return loader
+    try:
+        host.__class__ = _capturing_class(type(host))
+        host._hf_xla_fsdp_failures = []
+    except TypeError:
+        logger.debug("%s cannot report errors from the loader thread", type(host).__name__)
+    return loader
 
 
 def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
@@ -338,5 +374,5 @@ def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
     return loader
 
 
-__all__ = ["BucketPadder", "RecompileWatch", "bucket_length", "bucket_lengths", "compile_count", "pad_batch",
+__all__ = ["BucketPadder", "RecompileWatch", "bucket_length", "bucket_lengths", "capture_errors", "compile_count", "pad_batch",
            "pad_loader", "signature", "watch_loader"]

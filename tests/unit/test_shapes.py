@@ -288,3 +288,29 @@ def test_a_refusal_in_the_loader_thread_is_raised_in_the_training_thread(monkeyp
     shapes.watch_loader(loader, RecompileWatch(True, errors=errors))
     with pytest.raises(ConfigError, match="pad_to_buckets cannot pad the batch's 'weights'"):
         list(loader)  # ... the watched loader raises it where the training loop runs
+
+
+def test_a_failure_of_the_host_loader_in_the_device_loaders_thread_is_raised_not_taken_for_the_end_of_data():
+    # torch_xla's device loader reads the host loader in a thread; an exception there ended the data silently
+    # (a Trainer trained 0 steps and exited 0, e.g. with a pinned DataLoader under a renamed PrivateUse1 backend)
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    from hf_xla_fsdp.runtime import xla_device
+
+    class Failing(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> dict:
+            if i == 5:
+                raise RuntimeError("row 5 is unreadable")
+            return {"input_ids": torch.tensor([i, i])}
+
+    loader = MpDeviceLoader(torch.utils.data.DataLoader(Failing(), batch_size=2), xla_device())
+    shapes.watch_loader(shapes.capture_errors(loader), RecompileWatch(False))
+    seen = []
+    with pytest.raises(RuntimeError, match="row 5 is unreadable"):
+        for batch in loader:
+            seen.append(batch["input_ids"].shape[0])
+    assert seen == [2, 2]  # the batches read before the failure were used
+    assert isinstance(loader._loader, torch.utils.data.DataLoader) and len(loader._loader) == 4  # still the user's loader
