@@ -62,17 +62,21 @@ _FINDER = _Finder()
 
 
 def _run(name: str, module: Any) -> None:
-    with _lock:
-        callbacks = _callbacks.pop(name, [])
-    for callback in callbacks:
-        callback(module)
+    while True:  # a callback may register more for this module (it still counts as initializing for them)
+        with _lock:
+            callbacks = _callbacks.pop(name, [])
+        if not callbacks:
+            return
+        for callback in callbacks:
+            callback(module)
 
 
 def when_imported(name: str, callback: Callable[[Any], None]) -> None:
     """Call ``callback(module)`` once module ``name`` is imported: now if it already is, else right after its import."""
     with _lock:
         module = sys.modules.get(name)
-        if module is None:
+        # a module still executing (an import cycle reached the code that registers this) runs it when it ends
+        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
             _callbacks.setdefault(name, []).append(callback)
             if _FINDER not in sys.meta_path:
                 sys.meta_path.insert(0, _FINDER)
