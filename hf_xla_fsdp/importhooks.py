@@ -90,18 +90,24 @@ def pending() -> list[str]:
         return sorted(_callbacks)
 
 
-def _startup(name: str) -> Callable[[Any], None]:
-    def run(module: Any) -> None:
-        from hf_xla_fsdp.integrations import startup  # now, not at interpreter start: it imports torch
+def _call(target: str) -> Callable[[Any], None]:
+    """``"package.module:function"`` as a callback: imported when the watched module loads, not now."""
 
-        getattr(startup, name)(module)
+    def run(module: Any) -> None:
+        import importlib
+
+        name, _, function = target.partition(":")
+        getattr(importlib.import_module(name), function)(module)
 
     return run
 
 
+#: what the start-up hook runs as each upstream module loads (it imports torch: never at interpreter start)
+HOOK_TARGET = "hf_xla_fsdp.integrations.launched:hooked"
+
+
 def install_startup_hook() -> None:
     """What the ``.pth`` start-up hook does when ``HF_XLA_FSDP`` is set: nothing is imported now; as the upstream
-    modules load, :mod:`hf_xla_fsdp.integrations.startup` patches them for the launched script."""
-    when_imported("transformers.training_args", _startup("hooked_training_args"))
-    when_imported("transformers.trainer", _startup("hooked_trainer"))
-    when_imported("accelerate.accelerator", _startup("hooked_accelerator"))
+    modules load, :data:`HOOK_TARGET` patches them for the launched script."""
+    for name in ("transformers.training_args", "transformers.trainer", "accelerate.accelerator"):
+        when_imported(name, _call(HOOK_TARGET))

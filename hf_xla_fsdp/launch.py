@@ -5,10 +5,10 @@
     python -m hf_xla_fsdp.launch [...]                            # the same
 
 The script runs as ``__main__`` (``runpy``), with ``sys.argv`` set to its own arguments. Before its first line:
-the settings are read and checked (:func:`hf_xla_fsdp.config.sources.launch_settings`: the script's
+the settings are read and checked (:func:`hf_xla_fsdp.integrations.launched.launch_settings`: the script's
 ``--fsdp_config``, then the YAML's ``fsdp_config:``, then the launcher's ``--fsdp_config``); SPMD is started when
 they select FSDP v2; ``transformers.Trainer`` with every subclass and ``accelerate.Accelerator`` build their XLA
-FSDP versions (:func:`hf_xla_fsdp.integrations.startup.install_launch`); on a pod every host checks that the others
+FSDP versions (:func:`hf_xla_fsdp.integrations.launched.install_launch`); on a pod every host checks that the others
 run the same script, arguments, settings and package versions. FSDP v1 with ``--num_processes`` (or a YAML that
 gives it) starts its processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
 
@@ -169,13 +169,13 @@ def run_target(target: str, is_module: bool, script_args: Sequence[str]) -> None
 
 def _start(plan: dict[str, Any]) -> None:
     """In the training process, before the script: patches, SPMD for v2, the pod check, then the script."""
-    from .integrations import startup
+    from .integrations import launched, startup
     from .plugin import XlaFsdpPlugin
 
     plugin = XlaFsdpPlugin.from_dict(plan["settings"]) if plan["settings"] is not None else None
-    startup.install_launch(plugin)
+    launched.install_launch(plugin)
     if plugin is not None and plugin.version == 2:
-        startup._setup_runtime(plugin, what="the launcher")
+        startup.setup_runtime(plugin, what="the launcher")
     if not plan["no_pod_check"]:
         check_pod(plan["fingerprint"])
     run_target(plan["target"], plan["module"], plan["script_args"])
@@ -193,7 +193,8 @@ def _spawned(index: int, plan: dict[str, Any]) -> None:
 def prepare(ns: argparse.Namespace) -> dict[str, Any]:
     """Check the command line and read the settings (no XLA runtime, nothing run); returns the launch plan."""
     from .config.keys import read_accelerate_yaml
-    from .config.sources import ENV_CONFIG, launch_settings
+    from .config.sources import ENV_CONFIG
+    from .integrations.launched import launch_settings
 
     target = ns.script
     if ns.module:

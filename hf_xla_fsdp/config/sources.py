@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 ENV_CONFIG = "HF_XLA_FSDP_ACCELERATE_CONFIG"
 
@@ -91,58 +91,3 @@ def fsdp_config_from_argv(argv: Optional[list[str]] = None) -> Any:
         value = json.loads(value)
     return value or None
 
-
-def launch_settings(argv: Optional[Sequence[str]] = None, yaml_path: Union[str, os.PathLike, None] = None,
-                    fsdp_config: Any = None) -> Any:
-    """The settings of a launched script (an ``XlaFsdpPlugin``, or ``None`` when no source gives any).
-
-    Sources, in this order: the script's own ``--fsdp_config`` (its Trainer flags, read from ``argv``), the
-    ``fsdp_config:`` mapping of the accelerate YAML ``yaml_path``, an explicit ``fsdp_config`` (dict, path or inline
-    JSON) given to the launcher. Each contributes the settings it names; two sources that name the same setting, or
-    that select different engines (``version``; absent means 1, as ``xla_fsdp_v2`` absent does), with different
-    values are a conflict: one line naming both, before anything runs.
-    """
-    from ..errors import ConfigError
-    from ..plugin import XlaFsdpPlugin
-    from .keys import read_accelerate_yaml, read_settings_file
-
-    sources: list[tuple[str, dict[str, Any]]] = []
-
-    def add(source: str, settings: Any) -> None:
-        if isinstance(settings, (str, os.PathLike)):
-            path = str(settings)
-            settings = read_settings_file(path, "fsdp_config", json.load, json.JSONDecodeError, "JSON")
-            source = f"{source} {path}"
-        if not isinstance(settings, dict):
-            raise ConfigError(f"{source} must be a JSON object / mapping of settings, got {type(settings).__name__}")
-        explicit = XlaFsdpPlugin._normalize(settings, source)
-        XlaFsdpPlugin(**explicit)  # each source valid on its own: its own one-line error names it
-        sources.append((source, explicit))
-
-    flags = fsdp_config_from_argv(list(argv) if argv is not None else None)
-    if flags is not None:
-        add("the script's --fsdp_config", flags)
-    if yaml_path is not None:
-        data = read_accelerate_yaml(yaml_path)
-        mapping = data.get("fsdp_config") if isinstance(data, dict) else None
-        if mapping:
-            add(f"fsdp_config in {yaml_path}", mapping)
-    if fsdp_config is not None:
-        if isinstance(fsdp_config, str) and fsdp_config.lstrip().startswith("{"):
-            try:
-                fsdp_config = json.loads(fsdp_config)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"--fsdp_config {fsdp_config!r} is not valid JSON: {err}") from None
-        add("the launcher's --fsdp_config", fsdp_config)
-    if not sources:
-        return None
-    built = [(source, explicit, XlaFsdpPlugin(**explicit)) for source, explicit in sources]
-    merged: dict[str, Any] = {}
-    for i, (source, explicit, plugin) in enumerate(built):
-        for other_source, other_explicit, other in built[:i]:
-            for key in sorted({"version"} | (set(explicit) & set(other_explicit))):
-                if getattr(plugin, key) != getattr(other, key):
-                    raise ConfigError(f"{other_source} and {source} disagree: {key}={getattr(other, key)!r} vs "
-                                      f"{getattr(plugin, key)!r}; keep the setting in one place")
-        merged = {**explicit, **merged}  # an earlier source's value stands (they agree anyway)
-    return XlaFsdpPlugin(**merged)

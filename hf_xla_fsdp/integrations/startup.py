@@ -9,19 +9,16 @@ the Trainer integration (the one-line swap) does, and so do the launcher and the
 accelerate's ``gather_object`` raises ``NotImplementedError`` on XLA; :func:`patch_gather_object` (run when an
 ``XlaFsdpAccelerator`` is built, never on import) makes it gather there.
 
-Launched scripts (``hf-xla-fsdp launch``, or any launcher with ``HF_XLA_FSDP=1`` through the start-up hook) run
-unmodified: :func:`install_launch` makes ``transformers.Trainer`` and every subclass of it (TRL's trainers, the
-script's own) and ``accelerate.Accelerator`` build their XLA FSDP versions, whenever and however they are imported,
-with the launch settings (:func:`hf_xla_fsdp.config.sources.launch_settings`).
+Launched scripts (``hf-xla-fsdp launch``, or any launcher with ``HF_XLA_FSDP=1`` through the start-up hook) keep
+their settings here (:func:`set_launch_settings`), so ``TrainingArguments`` start SPMD for them too; which classes
+they build is :mod:`hf_xla_fsdp.integrations.launched`'s business (it sits above the Trainer and the Accelerator).
 """
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import json
 import os
-import sys
 import types
 from typing import Any, Callable, Optional
 
@@ -90,7 +87,7 @@ def patch_training_arguments() -> None:
             auto_spmd(getattr(self, "fsdp_config", None), what)
         plugin = launch_plugin()  # a launched script: the launch settings may ask for v2 without any flag
         if plugin is not None and plugin.version == 2:
-            _setup_runtime(plugin, what)
+            setup_runtime(plugin, what)
         return original.func(self)
 
     _setup_devices._hf_xla_fsdp = True  # type: ignore[attr-defined]
@@ -165,151 +162,26 @@ def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
 HOOK_ENV = "HF_XLA_FSDP"
 
 _launch: dict[str, Any] = {"resolve": None, "plugin": None, "resolved": False}
-_stock_accelerator = contextvars.ContextVar("hf_xla_fsdp_stock_accelerator", default=False)
 
 
-def _setup_runtime(plugin: XlaFsdpPlugin, what: str) -> None:
+def setup_runtime(plugin: XlaFsdpPlugin, what: str) -> None:
+    """The XLA runtime as ``plugin``'s engine needs it (FSDP v2: SPMD), or the one line saying why it is too late."""
     from ..session import XlaFsdpSession
 
     XlaFsdpSession(plugin).setup_runtime(what=what)
 
 
+def set_launch_settings(plugin: Optional[XlaFsdpPlugin] = None, resolve: Optional[Callable[[], Any]] = None) -> None:
+    """The launched script's settings: ``plugin`` now (the launcher), or ``resolve()`` on first use (the start-up
+    hook, which must read the script's arguments, not the launcher's); a known plugin is never replaced by a resolver."""
+    if plugin is not None:
+        _launch.update(plugin=plugin, resolved=True, resolve=None)
+    elif resolve is not None and not _launch["resolved"] and _launch["resolve"] is None:
+        _launch["resolve"] = resolve
+
+
 def launch_plugin() -> Optional[XlaFsdpPlugin]:
-    """The settings of the launched script (``None`` outside a launch, or when no source gives any); resolved on
-    first use, so the start-up hook reads the script's arguments, not the launcher's."""
+    """The settings of the launched script (``None`` outside a launch, or when no source gives any)."""
     if not _launch["resolved"] and _launch["resolve"] is not None:
         _launch["plugin"], _launch["resolved"] = _launch["resolve"](), True
     return _launch["plugin"]
-
-
-def _hook_settings() -> Optional[XlaFsdpPlugin]:
-    """Under a stock launcher: the script's ``--fsdp_config`` and the accelerate YAML this process was launched with."""
-    from ..config.sources import find_accelerate_config, launch_settings
-
-    return launch_settings(sys.argv[1:], find_accelerate_config())
-
-
-def install_launch(plugin: Optional[XlaFsdpPlugin] = None, resolve: Optional[Callable[[], Any]] = None) -> None:
-    """Patch the upstream classes for a launched script (idempotent), as their modules load.
-
-    ``plugin``: the launch settings, known now (``hf-xla-fsdp launch``); ``resolve``: how to find them on first use
-    (the start-up hook). ``TrainingArguments`` start SPMD for v2 settings; ``transformers.Trainer`` and its subclasses
-    build :func:`launched_trainer_class` instances; ``accelerate.Accelerator`` builds an ``XlaFsdpAccelerator``.
-    """
-    from .. import importhooks
-
-    if plugin is not None:
-        _launch.update(plugin=plugin, resolved=True, resolve=None)
-    elif resolve is not None and not _launch["resolved"]:
-        _launch["resolve"] = resolve
-    importhooks.when_imported("transformers.training_args", lambda module: patch_training_arguments())
-    importhooks.when_imported("transformers.trainer", _patch_trainer)
-    importhooks.when_imported("accelerate.accelerator", _patch_accelerator)
-
-
-def _hook_launch() -> None:
-    if _launch["resolve"] is None and not _launch["resolved"]:
-        install_launch(resolve=_hook_settings)
-
-
-def hooked_training_args(module: Any) -> None:
-    """Start-up hook: ``transformers.training_args`` was imported."""
-    _hook_launch()
-
-
-def hooked_trainer(module: Any) -> None:
-    """Start-up hook: ``transformers.trainer`` was imported."""
-    _hook_launch()
-
-
-def hooked_accelerator(module: Any) -> None:
-    """Start-up hook: ``accelerate.accelerator`` was imported."""
-    _hook_launch()
-
-
-class LaunchedTrainerMixin:
-    """What a launched script's Trainer adds to XlaFsdpTrainerMixin: the launch settings when the arguments carry no
-    XLA ``fsdp_config`` (a YAML, or the launcher's ``--fsdp_config``), and the stock accelerator its base builds."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        plugin = launch_plugin()
-        if plugin is not None and kwargs.get("fsdp_plugin") is None:
-            training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-            own = getattr(training_args, "fsdp_config", None) or {}
-            if getattr(training_args, "fsdp", None) and isinstance(own, dict) and own.get("xla"):
-                version = XlaFsdpPlugin.from_fsdp_config(own).version
-                if version != plugin.version:
-                    raise ConfigError(f"the TrainingArguments' fsdp_config selects FSDP v{version} but the launch "
-                                      f"settings select v{plugin.version}; keep the setting in one place")
-            kwargs["fsdp_plugin"] = plugin
-        super().__init__(*args, **kwargs)
-
-    def create_accelerator_and_postprocess(self) -> None:
-        """The base Trainer's own ``Accelerator`` stays stock here (ours replaces it, on the trainer's session)."""
-        token = _stock_accelerator.set(True)
-        try:
-            super().create_accelerator_and_postprocess()  # type: ignore[misc]
-        finally:
-            _stock_accelerator.reset(token)
-
-
-_launched_classes: dict[type, type] = {}
-
-
-def launched_trainer_class(trainer_cls: type) -> type:
-    """``trainer_cls`` (``transformers.Trainer`` or a subclass) with XLA FSDP and the launch settings, made once."""
-    from transformers import Trainer
-
-    from .trainer import XlaFsdpTrainer, XlaFsdpTrainerMixin, xla_fsdp_trainer
-
-    if issubclass(trainer_cls, (XlaFsdpTrainerMixin, LaunchedTrainerMixin)):
-        return trainer_cls
-    if trainer_cls not in _launched_classes:
-        base = XlaFsdpTrainer if trainer_cls is Trainer else xla_fsdp_trainer(trainer_cls)
-        _launched_classes[trainer_cls] = type(base.__name__, (LaunchedTrainerMixin, base),
-                                              {"__module__": base.__module__, "__doc__": base.__doc__,
-                                               "__qualname__": base.__qualname__})
-    return _launched_classes[trainer_cls]
-
-
-def _trainer_new(cls: type, *args: Any, **kwargs: Any) -> Any:
-    # Trainer subclasses defined anywhere (TRL's, the script's) keep their bases; what is built is the same class with
-    # XlaFsdpTrainerMixin first, so the subclass's __init__ runs inside ours (as with xla_fsdp_trainer)
-    return object.__new__(launched_trainer_class(cls))
-
-
-def _patch_trainer(module: Any) -> None:
-    trainer = module.Trainer
-    if "__new__" not in trainer.__dict__:
-        trainer.__new__ = staticmethod(_trainer_new)
-
-
-_launched_accelerator: Optional[type] = None
-
-
-def _accelerator_new(cls: type, *args: Any, **kwargs: Any) -> Any:
-    global _launched_accelerator
-    from accelerate import Accelerator
-
-    if cls is Accelerator and not _stock_accelerator.get():
-        if _launched_accelerator is None:
-            from .accelerate import XlaFsdpAccelerator
-
-            class LaunchedAccelerator(XlaFsdpAccelerator):
-                """``accelerate.Accelerator`` in a launched script: an XlaFsdpAccelerator with the launch settings."""
-
-                def __init__(self, *args: Any, **kwargs: Any) -> None:
-                    if kwargs.get("fsdp_plugin") is None and kwargs.get("session") is None:
-                        kwargs["fsdp_plugin"] = launch_plugin()
-                    super().__init__(*args, **kwargs)
-
-            LaunchedAccelerator.__name__ = LaunchedAccelerator.__qualname__ = "XlaFsdpAccelerator"
-            _launched_accelerator = LaunchedAccelerator
-        cls = _launched_accelerator
-    return object.__new__(cls)
-
-
-def _patch_accelerator(module: Any) -> None:
-    accelerator = module.Accelerator
-    if "__new__" not in accelerator.__dict__:
-        accelerator.__new__ = staticmethod(_accelerator_new)
