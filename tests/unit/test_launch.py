@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, USER_SCRIPTS, run_python
+from helpers import ROOT, USER_SCRIPTS, make_hook_venv, run_python
 
 from hf_xla_fsdp import ConfigError
 from hf_xla_fsdp.integrations.launched import launch_settings
@@ -157,24 +157,6 @@ def hook_python(tmp_path_factory) -> Path:
     """A Python with the start-up hook installed as pip installs it: a venv whose site-packages holds this
     environment's (a .pth adding them) and hf_xla_fsdp_hook.pth."""
     return make_hook_venv(tmp_path_factory.mktemp("hook-venv"))
-
-
-def make_hook_venv(root: Path) -> Path:
-    """``root``/bin/python (and an ``accelerate`` console script) with the hook .pth in its site-packages."""
-    import site
-    import sysconfig
-
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
-    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
-    ours = [p for p in site.getsitepackages() if Path(p).is_dir()]
-    # before the hook: .pth files run in name order
-    (purelib / "aaa_environment.pth").write_text("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in ours))
-    shutil.copy(PTH, purelib / PTH.name)
-    launcher = Path(sys.executable).parent / "accelerate"
-    body = launcher.read_text().split("\n", 1)[1]
-    (root / "bin" / "accelerate").write_text(f"#!{root / 'bin' / 'python'}\n{body}")
-    (root / "bin" / "accelerate").chmod(0o755)
-    return root / "bin" / "python"
 
 
 HOOK_PROBE = """
