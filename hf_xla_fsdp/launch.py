@@ -187,7 +187,8 @@ def _spawned(index: int, plan: dict[str, Any]) -> None:
         _start(plan)
     except ConfigError as err:
         print(f"hf-xla-fsdp launch: error: {err}", file=sys.stderr, flush=True)
-        os._exit(2)  # from a spawned process: a one-line failure, not a pickled traceback
+        # SystemExit travels back through xmp.spawn's pools and ends the launcher with code 2, printing nothing more
+        raise SystemExit(2) from None
 
 
 def prepare(ns: argparse.Namespace) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 each trains with XLA FSDP, writes a sharded checkpoint, and leaves a model (or adapters) that reloads with the eval
 loss the run reported.
 
-FSDP v1 runs one process here (`--num_processes 1`, through xmp.spawn as accelerate does on XLA): v1 collectives
-between several XLA:CPU processes hang upstream (docs/launch.md). FSDP v2 runs on 4 XLA:CPU devices.
+FSDP v1 runs one process here (in the launcher's process, or through xmp.spawn as accelerate does on XLA when the
+YAML gives num_processes): v1 collectives between several XLA:CPU processes hang upstream (docs/launch.md). FSDP v2
+runs on 4 XLA:CPU devices.
 """
 
 from __future__ import annotations
@@ -101,14 +102,15 @@ def test_trainer_script_with_its_own_fsdp_flags(tmp_path, engine):
     cfg = tmp_path / "xla.json"
     cfg.write_text(json.dumps({"xla": True, "xla_fsdp_v2": engine == "v2"}))
     out, record = tmp_path / "out", tmp_path / "record"
-    launcher = ["--num_processes", "1"] if engine == "v1" else []  # v1: started by xmp.spawn, as accelerate does
-    launch(*launcher, USER_SCRIPTS / "trainer_outputs.py", "--output_dir", out, "--fsdp", "full_shard",
+    # v1 in the launcher's own process here; test_accelerate_script_with_a_yaml starts it with xmp.spawn
+    launch(USER_SCRIPTS / "trainer_outputs.py", "--output_dir", out, "--fsdp", "full_shard",
            "--fsdp_config", cfg, "--record_dir", record, *TRAINER, devices=1 if engine == "v1" else 4)
     assert trainer_outputs_reload(out, record) == f"xla_fsdp_{engine}"
 
 
 def test_accelerate_script_with_a_yaml(tmp_path, pre):
-    """run_clm_no_trainer style (plain Accelerator), settings from the accelerate YAML."""
+    """run_clm_no_trainer style (plain Accelerator), settings from the accelerate YAML; its num_processes: 1 starts
+    the process with xmp.spawn, as accelerate does on XLA."""
     out = tmp_path / "out"
     launch("--config_file", CONFIGS / "xla_minimal.yaml", USER_SCRIPTS / "clm_no_trainer.py",
            "--model_name_or_path", pre / "llama", "--train_file", pre / "train.txt",

@@ -104,11 +104,15 @@ def _bad(tmp_path, case):
                 "FSDP v2 (SPMD) drives every device of a host from one process")
     script = tmp_path / "touches_device.py"
     script.write_text(TOUCHES_DEVICE_FIRST.format(out=tmp_path / "out"))
+    if case == "v2 in code, in a spawned v1 process":  # xmp.spawn's process took the device in replica mode
+        return (["--num_processes", "1", "--fsdp_config", '{"xla": true}', str(script)],
+                "FSDP v2 needs SPMD before the XLA device is first used")
     return [str(script)], "FSDP v2 needs SPMD before the XLA device is first used"
 
 
 @pytest.mark.parametrize("case", ["missing script", "missing module", "missing yaml", "flags vs yaml",
-                                  "v2 with processes", "v2 after the device was used"])
+                                  "v2 with processes", "v2 after the device was used",
+                                  "v2 in code, in a spawned v1 process"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     args, expected = _bad(tmp_path, case)
     res = run_python(["-m", "hf_xla_fsdp.cli", "launch", *args], devices=2, cwd=tmp_path, timeout=300)
