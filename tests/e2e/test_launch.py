@@ -26,7 +26,8 @@ TOKENIZER = ROOT / "examples" / "tiny_tokenizer"
 # the settings of the runs come from the launch only: nothing inherited from the test's environment
 CLEAN = {"HF_XLA_FSDP": None, "HF_XLA_FSDP_ACCELERATE_CONFIG": None, "USE_HF_XLA_FSDP": None, "SFT_USE_SPMD": None,
          "STOCK": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-# trainer_outputs.py: 4 steps, a sharded checkpoint and an evaluation at step 4 (pin memory off: see docs/launch.md)
+# trainer_outputs.py: 4 steps, a sharded checkpoint and an evaluation at step 4. Pin memory off: with torchax installed
+# (jax), torch_xla's SPMD code imports it and pinned-memory loaders fail in their thread (docs/launch.md, Limits)
 TRAINER = ["--max_steps", "4", "--save_steps", "4", "--eval_strategy", "steps", "--eval_steps", "4",
            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--learning_rate", "1e-2",
            "--logging_steps", "1", "--report_to", "none", "--dataloader_pin_memory", "false"]
