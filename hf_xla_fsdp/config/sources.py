@@ -90,4 +90,3 @@ def fsdp_config_from_argv(argv: Optional[list[str]] = None) -> Any:
     if isinstance(value, str) and value.lstrip().startswith("{"):
         value = json.loads(value)
     return value or None
-

@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .. import importhooks
 from ..config.keys import read_accelerate_yaml, read_settings_file
-from ..config.sources import fsdp_config_from_argv
+from ..config.sources import find_accelerate_config, fsdp_config_from_argv
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
 from . import startup
@@ -85,8 +85,6 @@ _stock_accelerator = contextvars.ContextVar("hf_xla_fsdp_stock_accelerator", def
 
 def _hook_settings() -> Optional[XlaFsdpPlugin]:
     """Under a stock launcher: the script's ``--fsdp_config`` and the accelerate YAML this process was launched with."""
-    from ..config.sources import find_accelerate_config
-
     return launch_settings(sys.argv[1:], find_accelerate_config())
 
 

@@ -158,9 +158,6 @@ def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
 
 
 # --------------------------------------------------------------------------- launched scripts
-#: the opt-in of the start-up hook (hf_xla_fsdp_hook.pth): set to 1 under any launcher (e.g. `accelerate launch`)
-HOOK_ENV = "HF_XLA_FSDP"
-
 _launch: dict[str, Any] = {"resolve": None, "plugin": None, "resolved": False}
 
 
