@@ -26,11 +26,10 @@ TOKENIZER = ROOT / "examples" / "tiny_tokenizer"
 # the settings of the runs come from the launch only: nothing inherited from the test's environment
 CLEAN = {"HF_XLA_FSDP": None, "HF_XLA_FSDP_ACCELERATE_CONFIG": None, "USE_HF_XLA_FSDP": None, "SFT_USE_SPMD": None,
          "STOCK": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-# trainer_outputs.py: 4 steps, a sharded checkpoint and an evaluation at step 4. Pin memory off: with torchax installed
-# (jax), torch_xla's SPMD code imports it and pinned-memory loaders fail in their thread (docs/launch.md, Limits)
+# trainer_outputs.py: 4 steps, a sharded checkpoint and an evaluation at step 4 (the Trainer's defaults otherwise)
 TRAINER = ["--max_steps", "4", "--save_steps", "4", "--eval_strategy", "steps", "--eval_steps", "4",
            "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8", "--learning_rate", "1e-2",
-           "--logging_steps", "1", "--report_to", "none", "--dataloader_pin_memory", "false"]
+           "--logging_steps", "1", "--report_to", "none"]
 NO_TRAINER = ["--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--block_size", "32",
               "--learning_rate", "1e-3", "--seed", "0", "--max_train_steps", "4", "--checkpointing_steps", "4"]
 
@@ -128,7 +127,7 @@ def test_trl_sft_with_lora_on_v2_over_four_devices(tmp_path, pre, calls_use_spmd
     launch(USER_SCRIPTS / "sft.py", "--model_name_or_path", pre / "llama", "--output_dir", out, "--fsdp", "full_shard",
            "--fsdp_config", '{"xla": true, "xla_fsdp_v2": true}', "--use_peft", "--max_steps", "4", "--save_steps", "4",
            "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--report_to", "none", "--logging_steps",
-           "2", "--max_length", "64", "--pad_to_multiple_of", "64", "--seed", "3", "--dataloader_pin_memory", "false",
+           "2", "--max_length", "64", "--pad_to_multiple_of", "64", "--seed", "3",
            devices=4, env={"SFT_USE_SPMD": "1" if calls_use_spmd else None})
     results = json.loads((out / "results.json").read_text())
     assert results["eval_loss"] < results["eval_loss_before"]
