@@ -152,7 +152,7 @@ class XlaFsdpSession:
         loader = self.engine.prepare_loader(loader, self.plugin)
         watch = shapes.RecompileWatch(self.plugin.pad_to_buckets, step=lambda: self.step_source and self.step_source(),
                                       after_compile=compile_cache.check, errors=self._pad_errors)
-        return shapes.watch_loader(shapes.capture_errors(loader), watch)
+        return shapes.watch_loader(loader, watch)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients over every shard of every rank; returns the total norm."""

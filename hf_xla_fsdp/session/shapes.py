@@ -317,48 +317,45 @@ def _watched_iter(inner: Iterator[Any], watch: RecompileWatch, failures: Optiona
         yield batch
 
 
+class _ReportingLoader:
+    """A host data loader as an XLA device loader's thread reads it: a failure is kept in ``failures`` instead of
+    dying with the thread (torch_xla's thread then closes its queue, so the training loop saw the data end: 0 steps,
+    exit code 0); :func:`_watched_iter` raises it in the training thread after the batches read before it."""
+
+    def __init__(self, loader: Any, failures: list) -> None:
+        self._inner, self._failures = loader, failures
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self._inner
+        except Exception as err:  # noqa: BLE001 - any failure: the training thread raises it
+            self._failures.append(err)
+
+
 @functools.cache
 def _watched_class(cls: type) -> type:
     def __iter__(self: Any) -> Iterator[Any]:
-        failures = getattr(getattr(self, "_loader", None), "_hf_xla_fsdp_failures", None)
-        return _watched_iter(iter(super(watched, self).__iter__()), self._hf_xla_fsdp_watch, failures)
+        failures: list = []
+        host = self.__dict__.get("_loader")  # an XLA device loader's host loader, read in a background thread
+        if host is None:
+            return _watched_iter(iter(super(watched, self).__iter__()), self._hf_xla_fsdp_watch, failures)
+        # the device loader's thread keeps the reference it is given now: only that thread reads through the wrapper
+        self._loader = _ReportingLoader(host, failures)
+        try:
+            inner = iter(super(watched, self).__iter__())
+        finally:
+            self._loader = host
+        return _watched_iter(inner, self._hf_xla_fsdp_watch, failures)
 
     watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__})
     return watched
-
-
-def _captured_iter(inner: Iterator[Any], failures: list) -> Iterator[Any]:
-    try:
-        yield from inner
-    except Exception as err:  # noqa: BLE001 - any failure: the training thread raises it (see capture_errors)
-        failures.append(err)
-
-
-@functools.cache
-def _capturing_class(cls: type) -> type:
-    def __iter__(self: Any) -> Iterator[Any]:
-        return _captured_iter(iter(super(capturing, self).__iter__()), self._hf_xla_fsdp_failures)
-
-    capturing = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
-                                            "__qualname__": cls.__qualname__})
-    return capturing
-
-
-def capture_errors(loader: Any) -> Any:
-    """``loader`` (an XLA device loader) whose host loader (``loader._loader``, read in a background thread) keeps a
-    failure instead of dying with the thread: torch_xla's thread then closes the queue, and the training loop saw the
-    data end (0 steps, exit code 0). :func:`watch_loader`'s iteration raises it in the training thread once the
-    batches read before the failure are used."""
-    host = getattr(loader, "_loader", None)
-    if host is None or getattr(host, "_hf_xla_fsdp_failures", None) is not None:
-        return loader
-    try:
-        host.__class__ = _capturing_class(type(host))
-        host._hf_xla_fsdp_failures = []
-    except TypeError:
-        logger.debug("%s cannot report errors from the loader thread", type(host).__name__)
-    return loader
 
 
 def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
@@ -374,5 +371,5 @@ def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
     return loader
 
 
-__all__ = ["BucketPadder", "RecompileWatch", "bucket_length", "bucket_lengths", "capture_errors", "compile_count", "pad_batch",
+__all__ = ["BucketPadder", "RecompileWatch", "bucket_length", "bucket_lengths", "compile_count", "pad_batch",
            "pad_loader", "signature", "watch_loader"]
