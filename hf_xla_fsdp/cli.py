@@ -335,11 +335,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_export)
     _add_env_parser(sub)
+
+    p = sub.add_parser("launch", help="run an unmodified training script with XLA FSDP (docs/launch.md)")
+    from .launch import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_launch)
     return parser
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    """``hf-xla-fsdp launch`` (dispatched by :func:`main` before this parser sees the script's arguments)."""
+    from .launch import launch
+
+    return launch(args)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``hf-xla-fsdp`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # the script's arguments are its own; its exceptions keep their tracebacks
+        from .launch import main as launch_main
+
+        return launch_main(argv[1:], prog="hf-xla-fsdp launch")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

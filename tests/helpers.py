@@ -165,6 +165,29 @@ def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
                           capture_output=True, text=True, timeout=timeout)
 
 
+# --------------------------------------------------------------------------- the start-up hook, installed
+HOOK_PTH = ROOT / "hf_xla_fsdp" / "hf_xla_fsdp_hook.pth"
+
+
+def make_hook_venv(root: Path) -> Path:
+    """``root``/bin/python (and an ``accelerate`` console script) with the hook .pth in its site-packages."""
+    import shutil
+    import site
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    purelib = Path(sysconfig.get_path("purelib", vars={"base": str(root), "platbase": str(root)}))
+    ours = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    # before the hook: .pth files run in name order
+    (purelib / "aaa_environment.pth").write_text("import site; " + "; ".join(f"site.addsitedir({p!r})" for p in ours))
+    shutil.copy(HOOK_PTH, purelib / HOOK_PTH.name)
+    launcher = Path(sys.executable).parent / "accelerate"
+    body = launcher.read_text().split("\n", 1)[1]
+    (root / "bin" / "accelerate").write_text(f"#!{root / 'bin' / 'python'}\n{body}")
+    (root / "bin" / "accelerate").chmod(0o755)
+    return root / "bin" / "python"
+
+
 # --------------------------------------------------------------------------- N real processes
 WORKERS = SCRIPTS
 

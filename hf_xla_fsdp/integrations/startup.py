@@ -8,6 +8,10 @@ the Trainer integration (the one-line swap) does, and so do the launcher and the
 
 accelerate's ``gather_object`` raises ``NotImplementedError`` on XLA; :func:`patch_gather_object` (run when an
 ``XlaFsdpAccelerator`` is built, never on import) makes it gather there.
+
+Launched scripts (``hf-xla-fsdp launch``, or any launcher with ``HF_XLA_FSDP=1`` through the start-up hook) keep
+their settings here (:func:`set_launch_settings`), so ``TrainingArguments`` start SPMD for them too; which classes
+they build is :mod:`hf_xla_fsdp.integrations.launched`'s business (it sits above the Trainer and the Accelerator).
 """
 
 from __future__ import annotations
@@ -78,8 +82,12 @@ def patch_training_arguments() -> None:
         return
 
     def _setup_devices(self: TrainingArguments) -> torch.device:
+        what = "code that ran before these TrainingArguments were built"
         if getattr(self, "fsdp", None):
-            auto_spmd(getattr(self, "fsdp_config", None), "code that ran before these TrainingArguments were built")
+            auto_spmd(getattr(self, "fsdp_config", None), what)
+        plugin = launch_plugin()  # a launched script: the launch settings may ask for v2 without any flag
+        if plugin is not None and plugin.version == 2:
+            setup_runtime(plugin, what)
         return original.func(self)
 
     _setup_devices._hf_xla_fsdp = True  # type: ignore[attr-defined]
@@ -147,3 +155,30 @@ def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
                                                      target.__defaults__, target.__closure__)
         target.__code__ = _patched_gather_object.__code__
     _gather_object_on_xla = on_xla
+
+
+# --------------------------------------------------------------------------- launched scripts
+_launch: dict[str, Any] = {"resolve": None, "plugin": None, "resolved": False}
+
+
+def setup_runtime(plugin: XlaFsdpPlugin, what: str) -> None:
+    """The XLA runtime as ``plugin``'s engine needs it (FSDP v2: SPMD), or the one line saying why it is too late."""
+    from ..session import XlaFsdpSession
+
+    XlaFsdpSession(plugin).setup_runtime(what=what)
+
+
+def set_launch_settings(plugin: Optional[XlaFsdpPlugin] = None, resolve: Optional[Callable[[], Any]] = None) -> None:
+    """The launched script's settings: ``plugin`` now (the launcher), or ``resolve()`` on first use (the start-up
+    hook, which must read the script's arguments, not the launcher's); a known plugin is never replaced by a resolver."""
+    if plugin is not None:
+        _launch.update(plugin=plugin, resolved=True, resolve=None)
+    elif resolve is not None and not _launch["resolved"] and _launch["resolve"] is None:
+        _launch["resolve"] = resolve
+
+
+def launch_plugin() -> Optional[XlaFsdpPlugin]:
+    """The settings of the launched script (``None`` outside a launch, or when no source gives any)."""
+    if not _launch["resolved"] and _launch["resolve"] is not None:
+        _launch["plugin"], _launch["resolved"] = _launch["resolve"](), True
+    return _launch["plugin"]

@@ -294,7 +294,7 @@ class RecompileWatch:
         return logging.WARNING, "fix: keep every batch's shapes and dtypes the same (pad to fixed lengths)"
 
 
-def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
+def _watched_iter(inner: Iterator[Any], watch: RecompileWatch, failures: Optional[list] = None) -> Iterator[Any]:
     """Yield ``inner``'s batches; the compiles between two ``next`` calls belong to the step of the batch before
     (an XLA device loader cuts and runs the previous step's graph when the next batch is asked for)."""
     count = compile_count()
@@ -303,6 +303,8 @@ def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
         try:
             batch = next(inner)
         except StopIteration:
+            if failures:  # the host loader failed in the device loader's thread, which ended the data silently
+                raise failures.pop(0) from None
             if sig is not None:
                 watch.stepped(sig, compile_count() - count)
             return
@@ -315,10 +317,41 @@ def _watched_iter(inner: Iterator[Any], watch: RecompileWatch) -> Iterator[Any]:
         yield batch
 
 
+class _ReportingLoader:
+    """A host data loader as an XLA device loader's thread reads it: a failure is kept in ``failures`` instead of
+    dying with the thread (torch_xla's thread then closes its queue, so the training loop saw the data end: 0 steps,
+    exit code 0); :func:`_watched_iter` raises it in the training thread after the batches read before it."""
+
+    def __init__(self, loader: Any, failures: list) -> None:
+        self._inner, self._failures = loader, failures
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            yield from self._inner
+        except Exception as err:  # noqa: BLE001 - any failure: the training thread raises it
+            self._failures.append(err)
+
+
 @functools.cache
 def _watched_class(cls: type) -> type:
     def __iter__(self: Any) -> Iterator[Any]:
-        return _watched_iter(iter(super(watched, self).__iter__()), self._hf_xla_fsdp_watch)
+        failures: list = []
+        host = self.__dict__.get("_loader")  # an XLA device loader's host loader, read in a background thread
+        if host is None:
+            return _watched_iter(iter(super(watched, self).__iter__()), self._hf_xla_fsdp_watch, failures)
+        # the device loader's thread keeps the reference it is given now: only that thread reads through the wrapper
+        self._loader = _ReportingLoader(host, failures)
+        try:
+            inner = iter(super(watched, self).__iter__())
+        finally:
+            self._loader = host
+        return _watched_iter(inner, self._hf_xla_fsdp_watch, failures)
 
     watched = type(cls.__name__, (cls,), {"__iter__": __iter__, "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__})

@@ -288,3 +288,39 @@ def test_a_refusal_in_the_loader_thread_is_raised_in_the_training_thread(monkeyp
     shapes.watch_loader(loader, RecompileWatch(True, errors=errors))
     with pytest.raises(ConfigError, match="pad_to_buckets cannot pad the batch's 'weights'"):
         list(loader)  # ... the watched loader raises it where the training loop runs
+
+
+@pytest.mark.parametrize("kind", ["torch_xla", "accelerate"])
+def test_a_failure_of_the_host_loader_in_the_device_loaders_thread_is_raised_not_taken_for_the_end_of_data(kind):
+    # torch_xla's device loader reads the host loader in a thread; an exception there ended the data silently
+    # (a Trainer trained 0 steps and exited 0, e.g. with a pinned DataLoader under a renamed PrivateUse1 backend)
+    from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+    from hf_xla_fsdp.runtime import xla_device
+
+    class Failing(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> dict:
+            if i == 5:
+                raise RuntimeError("row 5 is unreadable")
+            return {"input_ids": torch.tensor([i, i])}
+
+    if kind == "accelerate":  # what accelerator.prepare gives on XLA (its DataLoaderShard's __class__ is read-only)
+        from accelerate.data_loader import DataLoaderShard, MpDeviceLoaderWrapper
+
+        host = DataLoaderShard(Failing(), batch_size=2)
+        loader = MpDeviceLoaderWrapper(host, xla_device())
+    else:
+        host = torch.utils.data.DataLoader(Failing(), batch_size=2)
+        loader = MpDeviceLoader(host, xla_device())
+    shapes.watch_loader(loader, RecompileWatch(False))
+    for _ in range(2):  # every epoch
+        seen = []
+        with pytest.raises(RuntimeError, match="row 5 is unreadable"):
+            for batch in loader:
+                seen.append(batch["input_ids"].shape[0])
+        # the batches read before the failure were used (accelerate's loader reads one batch ahead)
+        assert seen == ([2] if kind == "accelerate" else [2, 2])
+    assert loader._loader is host and len(loader) == 4  # the user's loader, unchanged

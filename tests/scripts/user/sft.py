@@ -4,7 +4,8 @@
         --fsdp_config '{"xla": true}' [--use_peft] [--packing] [--completion_only_loss]
 
 Data: prompt/completion pairs made from the lines of DIR/../train.txt (the first words are the prompt).
-Writes OUT/results.json with the trainer's eval loss before and after training.
+Writes OUT/results.json with the trainer's eval loss before and after training. With SFT_USE_SPMD=1 it starts
+with ``xr.use_spmd()``, as TPU FSDP v2 scripts written for the stock stack do.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+if os.environ.get("SFT_USE_SPMD") == "1":  # first thing, as accelerate's TPU FSDP v2 + TRL example does
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -1,0 +1,264 @@
+"""``hf-xla-fsdp launch``: run an unmodified training script with XLA FSDP.
+
+    hf-xla-fsdp launch [--config_file YAML] [--fsdp_config JSON] [--num_processes N] SCRIPT [SCRIPT ARGS...]
+    hf-xla-fsdp launch [...] -m MODULE [ARGS...]                  # python -m style entry points
+    python -m hf_xla_fsdp.launch [...]                            # the same
+
+The script runs as ``__main__`` (``runpy``), with ``sys.argv`` set to its own arguments. Before its first line:
+the settings are read and checked (:func:`hf_xla_fsdp.integrations.launched.launch_settings`: the script's
+``--fsdp_config``, then the YAML's ``fsdp_config:``, then the launcher's ``--fsdp_config``); SPMD is started when
+they select FSDP v2; ``transformers.Trainer`` with every subclass and ``accelerate.Accelerator`` build their XLA
+FSDP versions (:func:`hf_xla_fsdp.integrations.launched.install_launch`); on a pod every host checks that the others
+run the same script, arguments, settings and package versions. FSDP v1 with ``--num_processes`` (or a YAML that
+gives it) starts its processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
+
+Bad input (a script that does not exist, conflicting settings, a v2 config once the script used the XLA device
+without SPMD, a host that differs) is one line on stderr and exit code 2, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import runpy
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: the packages whose versions every host of a pod must share
+POD_PACKAGES = ("hf_xla_fsdp", "torch", "torch_xla", "transformers", "accelerate", "datasets", "peft", "trl",
+                "safetensors")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The launcher's options (shared by ``hf-xla-fsdp launch`` and ``python -m hf_xla_fsdp.launch``)."""
+    parser.add_argument("--config_file", "--config-file", default=None,
+                        help="accelerate YAML (the file `accelerate launch --config_file` reads); its fsdp_config: "
+                             "mapping gives settings, mixed_precision and num_processes apply")
+    parser.add_argument("--fsdp_config", "--fsdp-config", default=None,
+                        help="settings (JSON file or inline JSON) for scripts that name none themselves")
+    parser.add_argument("--num_processes", "--num-processes", type=int, default=None,
+                        help="FSDP v1: processes on this host, started with xmp.spawn as accelerate does on XLA "
+                             "(XLA:CPU: sets CPU_NUM_DEVICES). FSDP v2 runs one process per host")
+    parser.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
+                        help="as accelerate's: the compute dtype of Accelerator scripts")
+    parser.add_argument("--no_pod_check", action="store_true",
+                        help="skip the check that every host runs the same script, settings and versions")
+    parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, as `python -m` does")
+    parser.add_argument("script", help="the training script (or module, with -m)")
+    parser.add_argument("script_args", nargs="*", help="the script's own arguments (passed on untouched)")
+
+
+_VALUED = {"--config_file", "--config-file", "--fsdp_config", "--fsdp-config", "--num_processes", "--num-processes",
+           "--mixed_precision", "--mixed-precision"}
+
+
+def split_command_line(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The launcher's arguments (up to and including the script) and the script's own, untouched: argparse would
+    read a script flag such as ``--fsdp`` as an abbreviation of the launcher's ``--fsdp_config``."""
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i] + argv[i + 1:i + 2], argv[i + 2:]
+        if arg in _VALUED:
+            i += 2
+        elif arg.startswith("-") and arg != "-":
+            i += 1
+        else:
+            return argv[:i + 1], argv[i + 1:]
+    return argv, []
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``[launcher options] SCRIPT [SCRIPT ARGS]`` (see :func:`split_command_line`)."""
+    own, script_args = split_command_line(argv)
+    ns = parser.parse_args(own)
+    ns.script_args = script_args
+    return ns
+
+
+# --------------------------------------------------------------------------- the pod check
+def launch_fingerprint(target: str, is_module: bool, script_args: Sequence[str], settings: dict[str, Any]) -> dict[str, Any]:
+    """What must be the same on every host: digests of the script's file, its arguments and the settings, and the
+    versions of :data:`POD_PACKAGES` (``host`` names this one)."""
+    from importlib import metadata
+
+    if is_module:
+        import importlib.util
+
+        spec = importlib.util.find_spec(target)
+        origin = spec.origin if spec is not None else None
+    else:
+        origin = target
+    code = Path(origin).read_bytes() if origin and os.path.isfile(origin) else target.encode()
+    versions = {}
+    for name in POD_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["python"] = sys.version.split()[0]
+
+    def digest(data: Any) -> str:
+        raw = data if isinstance(data, bytes) else json.dumps(data, sort_keys=True, default=str).encode()
+        return hashlib.sha256(raw).hexdigest()[:16]
+
+    return {"host": socket.gethostname(), "script": digest(code), "arguments": digest(list(script_args)),
+            "settings": digest(settings), "versions": versions}
+
+
+def compare_fingerprints(fingerprints: Sequence[dict[str, Any]]) -> Optional[str]:
+    """One line naming the first host whose fingerprint differs from the first host's, and what differs; ``None`` when
+    every host agrees."""
+    if not fingerprints:
+        return None
+    reference = fingerprints[0]
+    for other in fingerprints[1:]:
+        differs = [key for key in ("script", "arguments", "settings") if other[key] != reference[key]]
+        differs += [f"{name} {other['versions'].get(name)} vs {version}" for name, version in
+                    sorted(reference["versions"].items()) if other["versions"].get(name) != version]
+        if differs:
+            return (f"host {other['host']} does not run what host {reference['host']} runs: it differs in "
+                    f"{', '.join(differs)}; start the same command with the same files and packages on every host")
+    return None
+
+
+def exchange_fingerprints(fingerprint: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every process's fingerprint (the runtime's all-gather); this one alone in a single process."""
+    from . import runtime
+
+    if runtime.process_count() <= 1:
+        return [fingerprint]
+    try:
+        payloads = runtime.all_gather_bytes(json.dumps(fingerprint).encode(), tag="hf_xla_fsdp.launch.pod_check")
+    except ConfigError as err:  # several SPMD hosts without torch.distributed: nothing to gather with yet
+        logger.warning("pod check skipped: %s", err)
+        return [fingerprint]
+    return [json.loads(p) for p in payloads]
+
+
+def check_pod(fingerprint: dict[str, Any]) -> None:
+    """Raise the one-line ConfigError of :func:`compare_fingerprints` when a host differs."""
+    problem = compare_fingerprints(exchange_fingerprints(fingerprint))
+    if problem:
+        raise ConfigError(problem)
+
+
+# --------------------------------------------------------------------------- running the script
+def run_target(target: str, is_module: bool, script_args: Sequence[str]) -> None:
+    """Run the script (or module) as ``__main__`` with ``sys.argv`` set to its own arguments, as python would."""
+    if is_module:
+        sys.argv = [target, *script_args]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        path = os.path.abspath(target)
+        sys.argv = [target, *script_args]
+        sys.path.insert(0, os.path.dirname(path))
+        runpy.run_path(path, run_name="__main__")
+
+
+def _start(plan: dict[str, Any]) -> None:
+    """In the training process, before the script: patches, SPMD for v2, the pod check, then the script."""
+    from .integrations import launched, startup
+    from .plugin import XlaFsdpPlugin
+
+    plugin = XlaFsdpPlugin.from_dict(plan["settings"]) if plan["settings"] is not None else None
+    launched.install_launch(plugin)
+    if plugin is not None and plugin.version == 2:
+        startup.setup_runtime(plugin, what="the launcher")
+    if not plan["no_pod_check"]:
+        check_pod(plan["fingerprint"])
+    run_target(plan["target"], plan["module"], plan["script_args"])
+
+
+def _spawned(index: int, plan: dict[str, Any]) -> None:
+    """One process of ``xmp.spawn`` (FSDP v1): the same start as a single process."""
+    try:
+        _start(plan)
+    except ConfigError as err:
+        print(f"hf-xla-fsdp launch: error: {err}", file=sys.stderr, flush=True)
+        # SystemExit travels back through xmp.spawn's pools and ends the launcher with code 2, printing nothing more
+        raise SystemExit(2) from None
+
+
+def prepare(ns: argparse.Namespace) -> dict[str, Any]:
+    """Check the command line and read the settings (no XLA runtime, nothing run); returns the launch plan."""
+    from .config.keys import read_accelerate_yaml
+    from .config.sources import ENV_CONFIG
+    from .integrations.launched import launch_settings
+
+    target = ns.script
+    if ns.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"no module named {target!r} (-m {target}): check the name and that its package is "
+                              "installed or on PYTHONPATH")
+    elif not os.path.isfile(target):
+        raise ConfigError(f"script {target} does not exist" + (" (it is a directory)" if os.path.isdir(target) else "")
+                          + ": give the path of the training script")
+    yaml = read_accelerate_yaml(ns.config_file) if ns.config_file else {}
+    if not isinstance(yaml, dict):
+        raise ConfigError(f"accelerate config file {ns.config_file} must hold a mapping")
+    plugin = launch_settings(ns.script_args, ns.config_file, ns.fsdp_config)
+    version = plugin.version if plugin is not None else 1
+    processes = ns.num_processes if ns.num_processes is not None else yaml.get("num_processes")
+    if version == 2 and processes not in (None, 1, "1"):
+        raise ConfigError(f"num_processes={processes}: FSDP v2 (SPMD) drives every device of a host from one process; "
+                          "drop num_processes (or set it to 1)")
+    if ns.config_file:
+        os.environ.setdefault(ENV_CONFIG, os.path.abspath(ns.config_file))  # for XlaFsdpAccelerator() in the script
+    precision = ns.mixed_precision or yaml.get("mixed_precision")
+    if precision not in (None, "no"):
+        os.environ.setdefault("ACCELERATE_MIXED_PRECISION", str(precision))  # as accelerate launch exports it
+    settings = plugin.to_dict() if plugin is not None else None
+    return {"target": target, "module": ns.module, "script_args": list(ns.script_args), "settings": settings,
+            "no_pod_check": ns.no_pod_check, "spawn": version == 1 and processes is not None,
+            "processes": int(processes) if processes is not None else None,
+            "fingerprint": launch_fingerprint(target, ns.module, ns.script_args, settings or {})}
+
+
+def launch(ns: argparse.Namespace) -> int:
+    """Run the launch described by parsed arguments; 2 (one line on stderr) for bad input."""
+    try:
+        plan = prepare(ns)
+        if plan["spawn"]:
+            if os.environ.get("PJRT_DEVICE", "CPU").upper() == "CPU" and plan["processes"] is not None:
+                os.environ["CPU_NUM_DEVICES"] = str(plan["processes"])  # XLA:CPU's device count is the process count
+            import torch_xla.distributed.xla_multiprocessing as xmp
+
+            xmp.spawn(_spawned, args=(plan,))
+        else:
+            _start(plan)
+    except ConfigError as err:
+        print(f"hf-xla-fsdp launch: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m hf_xla_fsdp.launch") -> int:
+    """``python -m hf_xla_fsdp.launch`` (and ``hf-xla-fsdp launch``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    add_arguments(parser)
+    return launch(parse_command_line(parser, sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    # through the imported module, so xmp.spawn's processes find _spawned by its real name
+    from hf_xla_fsdp.launch import main as _main
+
+    sys.exit(_main())
