@@ -44,23 +44,30 @@ def make(family: str) -> torch.nn.Module:
     return LlamaForCausalLM(tiny_llama(vocab_size=96, num_hidden_layers=3))
 
 
-def train(model: torch.nn.Module, session: XlaFsdpSession) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``STEPS`` AdamW steps; the losses, and the gradients of the first step (by the user's parameter names)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = session.prepare_optimizer(model, torch.optim.AdamW(params, lr=1e-2))
+def train(model: torch.nn.Module, session: XlaFsdpSession, optimizer=None, steps=None):
+    """AdamW steps over ``batches()[steps]``; the losses, the gradients of the first step (by the user's parameter
+    names) and the optimizer."""
+    if optimizer is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = session.prepare_optimizer(model, torch.optim.AdamW(params, lr=1e-2))
     names = session.original_names(model)
     losses, grads = [], {}
-    for step, ids in enumerate(batches()):
+    for step, ids in enumerate(batches()[steps or slice(None)]):
         ids = ids.to(torch_xla.device())
         loss = model(input_ids=ids, labels=ids).loss
+        if step == 0:
+            # how many layers the compiled graph holds: a scanned stack is one `while` loop
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+            train.while_loops = hlo.count(" while(")
         loss.backward()
         if step == 0:
+            torch_xla.sync()  # one graph for every gradient (reading them one by one would compile one graph each)
             grads = {names[n]: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad()
         torch_xla.sync()
         losses.append(loss.item())
-    return losses, grads
+    return losses, grads, optimizer
 
 
 def params(model: torch.nn.Module, session: XlaFsdpSession) -> dict[str, torch.Tensor]:
@@ -78,10 +85,10 @@ def compare(build, **settings) -> dict:
     for scan in (False, True):
         session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=scan, **settings))
         model = build(session)
-        losses, grads = train(model, session)
-        runs[scan] = (losses, grads, params(model, session))
-    (l0, g0, p0), (l1, g1, p1) = runs[False], runs[True]
-    return {"losses": [l0, l1], "grad_diff": max_diff(g0, g1), "param_diff": max_diff(p0, p1),
+        losses, grads, _ = train(model, session)
+        runs[scan] = (losses, grads, params(model, session), train.while_loops)
+    (l0, g0, p0, w0), (l1, g1, p1, w1) = runs[False], runs[True]
+    return {"losses": [l0, l1], "while_loops": [w0, w1], "grad_diff": max_diff(g0, g1), "param_diff": max_diff(p0, p1),
             "grad_max": max(g.abs().max().item() for g in g0.values()), "n_grads": len(g1)}
 
 
@@ -113,22 +120,28 @@ def cmd_resume(args: argparse.Namespace) -> dict:
     scanned_session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=True))
     scanned = scanned_session.build_model(pretrained, progress=False)  # meta, block by block
     scanned_is_scanned = any(type(m).__name__ == "ScannedLayers" for m in scanned.modules())
-    train(scanned, scanned_session)
+    _, _, optimizer = train(scanned, scanned_session, steps=slice(0, 1))
     ckpt = out / "ckpt"
-    scanned_session.checkpoints.save(ckpt, scanned)
-    unrolled_session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=False))
-    unrolled = unrolled_session.build_model(pretrained, progress=False)
-    unrolled_session.checkpoints.load(ckpt, unrolled)
-    resumed_diff = max_diff(params(scanned, scanned_session), params(unrolled, unrolled_session))
+    scanned_session.checkpoints.save(ckpt, scanned, optimizer, step=1)
     consolidated = out / "consolidated"
     consolidate_into(ckpt, consolidated)
     reloaded = AutoModelForCausalLM.from_pretrained(consolidated)
     ids = batches()[0]
     with torch.no_grad():
-        scanned.eval()
+        scanned.eval()  # evaluation scans too (no KV cache)
         want = scanned(input_ids=ids.to(torch_xla.device())).logits.cpu()
         got = reloaded(input_ids=ids).logits
-    return {"scanned": scanned_is_scanned, "resumed_diff": resumed_diff, "logits_diff": (want - got).abs().max().item(),
+    scanned.train()
+    unrolled_session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=False))
+    unrolled = unrolled_session.build_model(pretrained, progress=False)
+    unrolled_optimizer = unrolled_session.prepare_optimizer(unrolled, torch.optim.AdamW(unrolled.parameters(), lr=1e-2))
+    unrolled_session.checkpoints.load(ckpt, unrolled, unrolled_optimizer)
+    resumed_diff = max_diff(params(scanned, scanned_session), params(unrolled, unrolled_session))
+    # the next step, scanned and resumed unrolled: the optimizer state crossed the setting too
+    train(scanned, scanned_session, optimizer, steps=slice(1, 2))
+    train(unrolled, unrolled_session, unrolled_optimizer, steps=slice(1, 2))
+    next_step_diff = max_diff(params(scanned, scanned_session), params(unrolled, unrolled_session))
+    return {"scanned": scanned_is_scanned, "resumed_diff": resumed_diff, "next_step_diff": next_step_diff, "logits_diff": (want - got).abs().max().item(),
             "names_equal": sorted(reloaded.state_dict()) == sorted(make("llama").state_dict())}
 
 
