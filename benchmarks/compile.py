@@ -61,7 +61,7 @@ def depth_child(args: argparse.Namespace) -> dict[str, Any]:
         return (int(data[0]), data[1] / 1e9) if data else (0, 0.0)
 
     n0, s0 = compile_seconds()
-    losses, forward_backward = [], 0.0
+    losses, forward_backward, per_step = [], 0.0, []
     start = time.perf_counter()
     for ids in data:
         ids = ids.to(torch_xla.device())
@@ -75,8 +75,9 @@ def depth_child(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad()
         torch_xla.sync()
         losses.append(loss.item())
+        per_step.append(compile_seconds()[0] - n0 - sum(per_step))
     n1, s1 = compile_seconds()
-    out = {"layers": args.layers, "scan": args.scan, "compile_s": round(s1 - s0, 2), "graphs": n1 - n0,
+    out = {"layers": args.layers, "scan": args.scan, "compile_s": round(s1 - s0, 2), "graphs": n1 - n0, "graphs_per_step": per_step,
            "losses": losses, "wall_s": round(time.perf_counter() - start, 2)}
     if args.split:
         out["forward_backward_compile_s"] = round(forward_backward, 2)

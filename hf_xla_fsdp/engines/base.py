@@ -8,7 +8,7 @@ tests which engine runs. torch_xla is imported inside methods only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -126,11 +126,12 @@ class Engine:
 
         return checkpoint_module(block)
 
-    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> tuple[Optional[Callable[[torch.Tensor, torch.Tensor], None]],
-                                                                Optional[Callable[[torch.Tensor], None]]]:
-        """For ``scan_layers``: how to annotate a weight stacked over the layers like one layer's weight, and the
-        scan's output like a block's output (None: nothing to annotate)."""
-        return None, None
+    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> Any:
+        """For ``scan_layers``: a :class:`~hf_xla_fsdp.modeling.scan.ScanAnnotations` (the sharding of stacked
+        weights, their per-layer slices and the scan's output)."""
+        from ..modeling.scan import ScanAnnotations
+
+        return ScanAnnotations()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside FSDP units (and their inner wrappers), or ``model``."""

@@ -266,19 +266,35 @@ class XlaFsdpV2(Engine):
                         buf.data = buf.data.to(plugin.buffer_dtype)
         return wrapped
 
-    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> tuple[Any, Any]:
+    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> Any:
+        from ..modeling.scan import ScanAnnotations
+
         mesh = get_mesh(plugin)
 
-        def shard_stacked(stacked: torch.Tensor, like: torch.Tensor) -> None:
-            import torch_xla
-            import torch_xla.distributed.spmd as xs
-            from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+        class Annotations(ScanAnnotations):
+            def spec(self, tensor: torch.Tensor) -> Optional[tuple]:
+                from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
 
-            # the layer axis stays whole (the loop walks it); each layer's slice keeps its FSDP split
-            if like.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_spec(like):
-                xs.mark_sharding(stacked, mesh, (None, *_prepare_spmd_partition_spec(like, shard_maximal=True)))
+                if tensor.device.type != "xla" or not sharding_spec(tensor):
+                    return None
+                return tuple(_prepare_spmd_partition_spec(tensor, shard_maximal=True))
 
-        return shard_stacked, lambda output: shard_output(output, mesh)
+            def mark(self, tensor: torch.Tensor, spec: tuple) -> None:
+                import torch_xla.distributed.spmd as xs
+
+                xs.mark_sharding(tensor, mesh, spec)
+
+            def output(self, tensor: torch.Tensor) -> None:
+                shard_output(tensor, mesh)
+
+            def materialize(self, tensors: list[torch.Tensor]) -> None:
+                import torch_xla
+
+                xla = [t for t in tensors if t.device.type == "xla"]
+                if xla:
+                    torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True)
+
+        return Annotations()
 
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         attach(model, optimizer)
@@ -303,6 +319,13 @@ class XlaFsdpV2(Engine):
 
     def original_names(self, model: nn.Module) -> dict[str, str]:
         return {name: clean_name(name) for name, _ in model.named_parameters()}
+
+    def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
+        from ..modeling.scan import stacked_origins
+
+        stacked = stacked_origins(model)  # scan_layers: one stacked parameter holds every layer's weight
+        return {name: [clean_name(n) for n in stacked[name]] if name in stacked else [orig]
+                for name, orig in self.original_names(model).items()}
 
     # ----------------------------------------------------------------- checkpoints
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
@@ -354,12 +377,25 @@ class XlaFsdpV2(Engine):
         if missing or len(wanted) != len(saved_model):
             extra = sorted(saved_model - set(wanted))
             raise CheckpointError(f"{ckpt_dir} was saved from a different model: missing {missing[:3]}, unexpected {extra[:3]}")
+        from ..modeling.scan import stacked_weights
+
+        # scan_layers: the state dict's per-layer slices are copies; the saved layers go into the stacked parameter
+        stacked = [(param, [MODEL_PREFIX + clean_name(n) for n in names]) for param, names in stacked_weights(model)]
+        in_stacks = {n for _, names in stacked for n in names}
         with torch.no_grad():
             for name, t in wanted.items():
+                if name in in_stacks:
+                    continue
                 full = read_pieces(entries[name])
                 if tuple(full.shape) != tuple(t.shape):
                     raise CheckpointError(f"{name} is {list(full.shape)} in {ckpt_dir} but {list(t.shape)} in the model")
                 t.copy_(full)  # keeps the tensor's sharding: each device receives its slice
+            for param, names in stacked:
+                full = torch.stack([read_pieces(entries[n]) for n in names])
+                if tuple(full.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{names[0]} and the other layers are {list(full.shape[1:])} in {ckpt_dir} but "
+                                          f"{list(param.shape[1:])} in the model")
+                param.copy_(full)
         if master_weights(model) is not None:
             master_weights(model).sync_params()
         meta = files[0].meta

@@ -1,12 +1,20 @@
 """Scan over layers: a decoder stack compiles as one layer in a loop instead of N unrolled copies.
 
 XLA compiles a traced graph whole, so an unrolled stack of N identical blocks costs N times one block's compile
-time. :func:`install` turns the ``nn.ModuleList`` that holds a model's blocks into a :class:`ScannedLayers`: the same
-list (same children, same parameter names: checkpoints, meta-device construction, PEFT and consolidation see nothing
-new), except while its owner's ``forward`` runs. There, iterating the list (``for layer in self.layers``,
-``self.layers[:n]``) yields a single :class:`ScanStep`, whose one call runs every block through
-``torch_xla.experimental.scan.scan`` with each weight stacked over the layers at run time, so the model's own loop
-body runs once and the graph holds one block.
+time. :func:`install` turns the ``nn.ModuleList`` that holds a model's blocks into a :class:`ScannedLayers`, and
+stores the layers' weights stacked: one ``(N, ...)`` parameter per weight of a layer, held by a parameter-only copy
+of the first layer's module tree registered beside the list (``model.layers_scanned.self_attn.q_proj.weight``); the
+layers themselves keep their modules, code and attributes but no parameters. Inside its owner's ``forward``,
+iterating the list (``for layer in self.layers``, ``self.layers[:n]``) yields a single :class:`ScanStep`, whose one
+call runs every block through torch_xla's scan with the stacked weights as the loop's inputs, so the model's own loop
+body runs once and the graph holds one block; the optimizer updates one tensor per weight of a layer, not N.
+
+Stored stacked because stacking per step is not enough: stacking N per-layer weights into the loop and slicing N
+gradients back out adds per-layer work to the graph, which on XLA:CPU compiled slower than the unrolled layers
+(benchmarks/compile.py). Names stay the unrolled model's wherever weights leave the model: ``state_dict()`` (so
+``save_pretrained``, PEFT's adapter files, hf_xla_fsdp's rank files and consolidation) gives each layer's slice under
+its own name, and ``load_state_dict`` stacks them back; a run resumes its model weights across the setting. The
+optimizer's state is the stacked parameters' (it resumes with the same setting).
 
 What crosses the loop: the hidden states are the carry; the other tensor arguments (attention mask, rotary
 cos/sin, position ids) are loop inputs repeated over the layers; everything else (``None``, flags) is a constant
@@ -34,7 +42,8 @@ from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ScanStep", "ScannedLayers", "check_homogeneous", "find_stacks", "install", "is_scanned"]
+__all__ = ["ScanAnnotations", "ScanStep", "ScannedLayers", "check_homogeneous", "find_stacks", "install", "is_scanned",
+           "stacked_weights"]
 
 #: per-layer attributes that differ between otherwise identical layers without changing what they compute
 _PER_LAYER_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_number", "idx", "block_idx"})
@@ -91,14 +100,39 @@ def is_scanned(model: nn.Module) -> bool:
 class _Config:
     """How one scanned list reaches its layers' code and annotates the stacked weights (set by :func:`install`)."""
 
-    def __init__(self, unwrap: Callable[[nn.Module], nn.Module], remat: bool,
-                 shard_stacked: Optional[Callable[[torch.Tensor, torch.Tensor], None]],
-                 shard_output: Optional[Callable[[torch.Tensor], None]]) -> None:
+    def __init__(self, unwrap: Callable[[nn.Module], nn.Module], remat: bool, annotations: "ScanAnnotations") -> None:
         self.unwrap = unwrap
         self.remat = remat
-        self.shard_stacked = shard_stacked
-        self.shard_output = shard_output
+        self.annotations = annotations
         self.bodies: dict[Any, Callable] = {}  # traced once per static signature (scan's cache is keyed by the body)
+
+
+class ScanAnnotations:
+    """What the engine tells the scan about its devices; the defaults: no sharding, nothing to materialize."""
+
+    def spec(self, tensor: torch.Tensor) -> Optional[tuple]:
+        """``tensor``'s partition spec (one entry per dimension), or None when it has no sharding."""
+        return None
+
+    def mark(self, tensor: torch.Tensor, spec: tuple) -> None:
+        """Annotate ``tensor`` with the partition spec ``spec``."""
+
+    def output(self, tensor: torch.Tensor) -> None:
+        """Annotate the scan's final hidden states like a block's output."""
+
+    def materialize(self, tensors: list[torch.Tensor]) -> None:
+        """Compute ``tensors`` in one graph (the per-layer slices a ``state_dict`` hands out)."""
+
+
+class _Stacked:
+    """One scanned list's weights: ``rel`` (a parameter's name inside one layer) -> the ``(N, ...)`` parameter, the
+    owner-relative ``state_dict`` keys of its N slices, and one layer's partition spec."""
+
+    def __init__(self, attr: str) -> None:
+        self.attr = attr  # the owner's attribute holding the stacked copy
+        self.params: dict[str, nn.Parameter] = {}
+        self.keys: dict[str, list[str]] = {}
+        self.specs: dict[str, Optional[tuple]] = {}
 
 
 class ScannedLayers(nn.ModuleList):
@@ -109,17 +143,18 @@ class ScannedLayers(nn.ModuleList):
 
     _scan: _Config
     _scan_active: bool
+    _stacked: _Stacked
 
     def __iter__(self) -> Iterator[nn.Module]:
         if getattr(self, "_scan_active", False):
-            return iter([ScanStep(list(self._modules.values()), self._scan)])
+            return iter([ScanStep(list(self._modules.values()), self._scan, self._stacked, slice(None))])
         return super().__iter__()
 
     def __getitem__(self, idx: Any) -> Any:
         if isinstance(idx, slice):
             layers = list(self._modules.values())[idx]
             if getattr(self, "_scan_active", False):
-                return _ScannedSlice(layers, self._scan)
+                return _ScannedSlice(layers, self._scan, self._stacked, idx)
             return nn.ModuleList(layers)
         return super().__getitem__(idx)
 
@@ -127,11 +162,11 @@ class ScannedLayers(nn.ModuleList):
 class _ScannedSlice:
     """What ``layers[:n]`` is inside the owner's forward: iterating it yields one :class:`ScanStep`."""
 
-    def __init__(self, layers: list[nn.Module], config: _Config) -> None:
-        self._layers, self._config = layers, config
+    def __init__(self, layers: list[nn.Module], config: _Config, stacked: _Stacked, part: slice) -> None:
+        self._layers, self._config, self._stacked, self._part = layers, config, stacked, part
 
     def __iter__(self) -> Iterator[Any]:
-        return iter([ScanStep(self._layers, self._config)] if self._layers else [])
+        return iter([ScanStep(self._layers, self._config, self._stacked, self._part)] if self._layers else [])
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -182,11 +217,16 @@ class ScanStep:
     last layer would have returned. Attributes read by the owner's loop (e.g. ``attention_type``) are the first
     layer's, which every layer shares (:func:`check_homogeneous`)."""
 
-    def __init__(self, layers: list[nn.Module], config: _Config) -> None:
-        self._layers, self._config = layers, config
+    def __init__(self, layers: list[nn.Module], config: _Config, stacked: _Stacked, part: slice) -> None:
+        self._layers, self._config, self._stacked, self._part = layers, config, stacked, part
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._config.unwrap(self._layers[0]), name)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The stacked weights of the layers this step runs (a slice of them for ``layers[:n]``)."""
+        whole = self._part == slice(None)
+        return {rel: p if whole else p[self._part] for rel, p in self._stacked.params.items()}
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         layers = self._layers
@@ -198,9 +238,14 @@ class ScanStep:
         return self._scanned(hidden_states, args, kwargs)
 
     def _unrolled(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Layer by layer, each with its slice of the stacked weights (a filled KV cache, recorded outputs)."""
+        weights = self._weights()
         out: Any = hidden_states
-        for layer in self._layers:
-            out = layer(out[0] if isinstance(out, tuple) else out, *args, **kwargs)
+        for i, layer in enumerate(self._layers):
+            inner = self._config.unwrap(layer)
+            hidden = out[0] if isinstance(out, tuple) else out
+            out = torch.func.functional_call(inner, {rel: w[i] for rel, w in weights.items()}, (hidden, *args), kwargs,
+                                             strict=False)
         return out
 
     def _scanned(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> Any:
@@ -209,15 +254,11 @@ class ScanStep:
         first = inner[0]
         n = len(inner)
 
-        # the layers' weights, stacked over the layers (names relative to one layer)
-        names = [name for name, _ in first.named_parameters()] + [name for name, _ in first.named_buffers()]
-        per_layer = [dict([*m.named_parameters(), *m.named_buffers()]) for m in inner]
-        stacked = {}
-        for name in names:
-            tensors = [weights[name] for weights in per_layer]
-            stacked[name] = _Stack.apply(*tensors)
-            if config.shard_stacked is not None:
-                config.shard_stacked(stacked[name], tensors[0])
+        # the stacked weights are the loop's inputs; buffers (few, never trained) are stacked here
+        stacked = self._weights()
+        for name, _ in first.named_buffers():
+            stacked[name] = torch.stack([m.get_buffer(name) for m in inner])
+        names = list(stacked)
 
         # the other arguments: tensors enter the loop as per-layer inputs, the rest are constants of the body
         leaves, spec = tree_flatten((args, kwargs))
@@ -247,23 +288,9 @@ class ScanStep:
             partition_fn = min_cut_rematerialization_partition
         extra = {"partition_fn": partition_fn} if partition_fn is not None else {}
         final = _scan(body, hidden_states, (stacked, tuple(inputs)), **extra)
-        if config.shard_output is not None:
-            config.shard_output(final)
+        config.annotations.output(final)
         meta = body.output_tail  # type: ignore[attr-defined]
         return final if meta is None else (final, *meta)
-
-
-class _Stack(torch.autograd.Function):
-    """``torch.stack`` whose backward gives each layer a gradient of its own: a plain stack's are views of the
-    stacked gradient, which XLA would materialize as that one tensor, leaving every slice for the optimizer's graph."""
-
-    @staticmethod
-    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
-        return torch.stack(tensors)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(g.clone() for g in grad.unbind(0))
 
 
 def _scan(body: Callable, init: torch.Tensor, xs: Any, **options: Any) -> torch.Tensor:
@@ -271,8 +298,8 @@ def _scan(body: Callable, init: torch.Tensor, xs: Any, **options: Any) -> torch.
 
     Under SPMD, torch_xla's own backward ties each gradient's sharding to its input's with jax's ``shard_alike``,
     which needs jax and torchax in the process (torchax renames PyTorch's PrivateUse1 backend: pinned-memory data
-    loaders then fail). Here the gradients of the stacked weights get their sharding from the weights they flow
-    back into (``_Stack``'s backward), so the plain backward is used.
+    loaders then fail). Here the gradients of the stacked weights get their sharding from the stacked parameters
+    they accumulate into, so the plain backward is used.
     """
     from torch_xla.experimental import scan as xscan
 
@@ -329,7 +356,7 @@ def _make_body(layer: nn.Module, names: list[str], spec: Any, constants: list[tu
             leaves[slot] = value.to(torch.bool) if kind == "bool" else value
         args, kwargs = tree_unflatten(leaves, spec)
         with _plain_forward(layer):
-            out = torch.func.functional_call(layer, weights, (carry, *args), kwargs, strict=True)
+            out = torch.func.functional_call(layer, weights, (carry, *args), kwargs, strict=False)
         if isinstance(out, tuple):
             if any(isinstance(t, torch.Tensor) for t in out[1:]):
                 raise ConfigError(f"scan_layers: {type(layer).__name__} returns tensors besides its hidden states "
@@ -345,19 +372,19 @@ def _make_body(layer: nn.Module, names: list[str], spec: Any, constants: list[tu
 
 
 def install(model: nn.Module, blocks: Sequence[nn.Module], *, unwrap: Callable[[nn.Module], nn.Module],
-            remat: bool = False, shard_stacked: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None,
-            shard_output: Optional[Callable[[torch.Tensor], None]] = None) -> list[str]:
-    """Make every list of ``blocks`` in ``model`` a :class:`ScannedLayers`; returns the lists' qualified names.
+            remat: bool = False, annotations: Optional[ScanAnnotations] = None) -> list[str]:
+    """Make every list of ``blocks`` in ``model`` a :class:`ScannedLayers` with its weights stored stacked; returns
+    the lists' qualified names.
 
     ``unwrap`` gives a block's own module inside its FSDP unit; ``remat`` recomputes activations in backward;
-    ``shard_stacked(stacked, like)`` annotates a stacked weight like one layer's; ``shard_output`` the final hidden
-    states. Refuses, in one line, a model with no such list or with layers that differ.
+    ``annotations`` is the engine's sharding of weights and outputs. Refuses, in one line, a model with no such list,
+    with layers that differ, or with a weight shared between layers.
     """
     stacks = find_stacks(model, blocks)
     if not stacks:
         raise ConfigError(f"scan_layers: {type(model).__name__} has no list of two or more identical blocks (its FSDP "
                           "units) to scan; set scan_layers=false or transformer_layer_cls_to_wrap to its decoder layer class")
-    config = _Config(unwrap, remat, shard_stacked, shard_output)
+    config = _Config(unwrap, remat, annotations or ScanAnnotations())
     owners = {}
     for name, layers in stacks:
         check_homogeneous([unwrap(layer) for layer in layers], f"{type(model).__name__}.{name}")
@@ -366,12 +393,104 @@ def install(model: nn.Module, blocks: Sequence[nn.Module], *, unwrap: Callable[[
     for name, layers in stacks:
         if isinstance(layers, ScannedLayers):
             continue
+        owner, attr = owners[name], name.rpartition(".")[2]
+        stacked = _store_stacked(owner, attr, layers, config)
         layers.__class__ = ScannedLayers
         layers._scan = config
         layers._scan_active = False
-        _activate_in_forward(owners[name], layers)
+        layers._stacked = stacked
+        _activate_in_forward(owner, layers)
+        _translate_state_dict(owner, stacked, config)
     logger.info("scan_layers: %s run as one scanned layer each", ", ".join(f"{n} ({len(m)} layers)" for n, m in stacks))
     return [name for name, _ in stacks]
+
+
+def _skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s tree (same classes and attributes: what transformers' weight-decay grouping looks at)
+    without parameters, buffers or hooks: the holder of the stacked weights, never called."""
+    clone = object.__new__(type(module))
+    clone.__dict__.update(module.__dict__)
+    for key, value in module.__dict__.items():
+        if "hooks" in key and isinstance(value, dict):
+            clone.__dict__[key] = type(value)()
+    clone.__dict__["_parameters"] = {}
+    clone.__dict__["_buffers"] = {}
+    clone.__dict__["_non_persistent_buffers_set"] = set()
+    clone.__dict__["_modules"] = {k: _skeleton(v) for k, v in module._modules.items() if v is not None}
+    return clone
+
+
+def _store_stacked(owner: nn.Module, attr: str, layers: nn.ModuleList, config: _Config) -> _Stacked:
+    """Move the layers' parameters into ``(N, ...)`` parameters of a skeleton registered as ``owner.<attr>_scanned``."""
+    inner = [config.unwrap(layer) for layer in layers]
+    key_of = {id(p): n for n, p in owner.named_parameters(remove_duplicate=False)}
+    skeleton = _skeleton(inner[0])
+    out = _Stacked(attr + "_scanned")
+    for rel, _ in list(inner[0].named_parameters()):
+        tensors = [m.get_parameter(rel) for m in inner]
+        if len({id(t) for t in tensors}) != len(tensors):
+            raise ConfigError(f"scan_layers: {rel} is one weight shared by several layers of {type(owner).__name__}."
+                              f"{attr}, which stacking would duplicate; set scan_layers=false for this model")
+        spec = config.annotations.spec(tensors[0])
+        with torch.no_grad():
+            stacked = nn.Parameter(torch.stack([t.detach() for t in tensors]), requires_grad=tensors[0].requires_grad)
+        if spec is not None:  # the layer axis stays whole (the loop walks it); each layer's slice keeps its split
+            config.annotations.mark(stacked, (None, *spec))
+        prefix, _, leaf = rel.rpartition(".")
+        skeleton.get_submodule(prefix).register_parameter(leaf, stacked)
+        out.params[rel], out.specs[rel] = stacked, spec
+        out.keys[rel] = [key_of[id(t)] for t in tensors]
+        for m in inner:
+            del m.get_submodule(prefix)._parameters[leaf]
+    owner.add_module(out.attr, skeleton)
+    config.annotations.materialize(list(out.params.values()))  # the stacks exist; the per-layer tensors can go
+    return out
+
+
+def _translate_state_dict(owner: nn.Module, stacked: _Stacked, config: _Config) -> None:
+    """``owner.state_dict()`` names each layer's slice as the unrolled model would; ``load_state_dict`` stacks them."""
+
+    def to_layers(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        slices = []
+        for rel in stacked.params:
+            value = state.pop(f"{prefix}{stacked.attr}.{rel}", None)
+            if value is None:
+                continue
+            for i, key in enumerate(stacked.keys[rel]):
+                piece = value[i].clone()  # its own tensor (a view would be synced without its sharding)
+                if stacked.specs[rel] is not None:
+                    config.annotations.mark(piece, stacked.specs[rel])
+                state[prefix + key] = piece
+                slices.append(piece)
+        config.annotations.materialize(slices)  # one graph for every slice, not one per tensor read
+
+    def to_stacked(state: dict[str, Any], prefix: str, *args: Any) -> None:
+        for rel in stacked.params:
+            keys = [prefix + key for key in stacked.keys[rel]]
+            if all(key in state for key in keys):
+                state[f"{prefix}{stacked.attr}.{rel}"] = torch.stack([state.pop(key) for key in keys])
+
+    owner._register_state_dict_hook(to_layers)
+    owner._register_load_state_dict_pre_hook(to_stacked)
+
+
+def stacked_weights(model: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
+    """Each stacked parameter of ``model`` with the names (relative to ``model``, as its ``state_dict`` gives them)
+    of its per-layer slices, in order."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, ScannedLayers):
+            owner = name.rpartition(".")[0]
+            prefix = owner + "." if owner else ""
+            for rel, param in module._stacked.params.items():
+                out.append((param, [prefix + key for key in module._stacked.keys[rel]]))
+    return out
+
+
+def stacked_origins(model: nn.Module) -> dict[str, list[str]]:
+    """Name of each stacked parameter in ``model.named_parameters()`` -> the ``state_dict`` names of its slices."""
+    by_id = {id(p): names for p, names in stacked_weights(model)}
+    return {name: by_id[id(p)] for name, p in model.named_parameters() if id(p) in by_id}
 
 
 def _activate_in_forward(owner: nn.Module, layers: ScannedLayers) -> None:

@@ -129,9 +129,8 @@ class XlaFsdpSession:
         names = set(self.plugin.transformer_layer_cls_to_wrap or getattr(inner, "_no_split_modules", None) or ())
         blocks = [m for m in inner.modules() if m is not inner
                   and (isinstance(m, self.engine.unit_class()) or type(self.engine.unwrap(m)).__name__ in names)]
-        shard_stacked, shard_output = self.engine.scan_annotations(self.plugin)
         install(inner, blocks, unwrap=self.engine.unwrap, remat=self.plugin.activation_checkpointing,
-                shard_stacked=shard_stacked, shard_output=shard_output)
+                annotations=self.engine.scan_annotations(self.plugin))
 
     @staticmethod
     def _check_not_wrapped(model: nn.Module) -> None:

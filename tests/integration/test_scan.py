@@ -42,19 +42,26 @@ def test_lora_under_scan_trains_the_adapters_like_unrolled():
     assert run["grad_diff"] <= 1e-6 * max(1.0, run["grad_max"]) and run["param_diff"] < 1e-5
 
 
-def test_scanned_run_resumes_unrolled_and_consolidates(tmp_path):
+def test_checkpoints_cross_the_setting_and_consolidate(tmp_path):
     run = worker("resume", "--out", str(tmp_path))
     assert run["scanned"]  # built on meta from a pretrained dir, block by block, then scanned
-    assert run["resumed_diff"] == 0.0  # parameters bit-exact across the setting
-    assert run["next_step_diff"] < 1e-5  # the optimizer state crossed too: the next step agrees
+    # rank files hold the unrolled model's names: model weights resume bit-exact in both directions
+    assert run["to_unrolled"] == 0.0 and run["to_scanned"] == 0.0
+    # the optimizer state of stacked weights resumes with the same setting: the next step is bit-identical
+    assert run["next_step_diff"] == 0.0
+    # ... and across the setting it is refused in one line that says what to do
+    assert "saved with scan_layers=true and this run has scan_layers=false" in run["optimizer_error"]
+    assert "load the model weights only" in run["optimizer_error"] and "\n" not in run["optimizer_error"]
     assert run["names_equal"]  # the consolidated dir has the unrolled model's parameter names
     assert run["logits_diff"] < 1e-4  # from_pretrained(consolidated) vs the scanned model (eval scans too)
 
 
-def test_scan_layers_on_fsdp_v1_is_refused_in_one_line():
+def test_scan_layers_on_fsdp_v1_and_with_master_copies_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="scan_layers.*version=2") as err:
         XlaFsdpPlugin(version=1, scan_layers=True)
     assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="scan_layers with compute_dtype=bfloat16 is not supported yet"):
+        XlaFsdpPlugin(version=2, scan_layers=True, compute_dtype="bfloat16")
 
 
 def test_layers_that_differ_are_refused_in_one_line():

@@ -50,7 +50,6 @@ def train(model: torch.nn.Module, session: XlaFsdpSession, optimizer=None, steps
     if optimizer is None:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = session.prepare_optimizer(model, torch.optim.AdamW(params, lr=1e-2))
-    names = session.original_names(model)
     losses, grads = [], {}
     for step, ids in enumerate(batches()[steps or slice(None)]):
         ids = ids.to(torch_xla.device())
@@ -62,7 +61,7 @@ def train(model: torch.nn.Module, session: XlaFsdpSession, optimizer=None, steps
         loss.backward()
         if step == 0:
             torch_xla.sync()  # one graph for every gradient (reading them one by one would compile one graph each)
-            grads = {names[n]: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None}
+            grads = by_layer(model, session, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         optimizer.step()
         optimizer.zero_grad()
         torch_xla.sync()
@@ -70,9 +69,23 @@ def train(model: torch.nn.Module, session: XlaFsdpSession, optimizer=None, steps
     return losses, grads, optimizer
 
 
+def by_layer(model: torch.nn.Module, session: XlaFsdpSession, tensors: dict) -> dict[str, torch.Tensor]:
+    """Host copies of ``tensors`` (by wrapped parameter name) under the user's names; a stacked parameter
+    (scan_layers) is split into its layers."""
+    origins = session.engine.parameter_origins(model)
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu()
+        names = origins[name]
+        if len(names) == 1:
+            out[names[0]] = t
+        else:
+            out.update(zip(names, t.unbind(0)))
+    return out
+
+
 def params(model: torch.nn.Module, session: XlaFsdpSession) -> dict[str, torch.Tensor]:
-    names = session.original_names(model)
-    return {names[n]: p.detach().cpu() for n, p in model.named_parameters()}
+    return by_layer(model, session, dict(model.named_parameters()))
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -112,15 +125,23 @@ def cmd_lora(args: argparse.Namespace) -> dict:
 
 
 def cmd_resume(args: argparse.Namespace) -> dict:
+    """Scanned -> consolidated (from_pretrained logits), scanned -> unrolled and unrolled -> scanned (model weights),
+    scanned -> scanned with the optimizer (the next step), and the one line for the optimizer across the setting."""
     from hf_xla_fsdp.checkpoint.consolidate import consolidate_into
+    from hf_xla_fsdp.errors import CheckpointError
 
     out = Path(args.out)
     pretrained = out / "pretrained"
     make("llama").save_pretrained(pretrained)
-    scanned_session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=True))
-    scanned = scanned_session.build_model(pretrained, progress=False)  # meta, block by block
+
+    def build(scan: bool) -> tuple[torch.nn.Module, XlaFsdpSession, torch.optim.Optimizer]:
+        session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=scan))
+        model = session.build_model(pretrained, progress=False)  # meta, block by block
+        return model, session, session.prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    scanned, scanned_session, optimizer = build(True)
     scanned_is_scanned = any(type(m).__name__ == "ScannedLayers" for m in scanned.modules())
-    _, _, optimizer = train(scanned, scanned_session, steps=slice(0, 1))
+    train(scanned, scanned_session, optimizer, steps=slice(0, 1))
     ckpt = out / "ckpt"
     scanned_session.checkpoints.save(ckpt, scanned, optimizer, step=1)
     consolidated = out / "consolidated"
@@ -132,16 +153,30 @@ def cmd_resume(args: argparse.Namespace) -> dict:
         want = scanned(input_ids=ids.to(torch_xla.device())).logits.cpu()
         got = reloaded(input_ids=ids).logits
     scanned.train()
-    unrolled_session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=False))
-    unrolled = unrolled_session.build_model(pretrained, progress=False)
-    unrolled_optimizer = unrolled_session.prepare_optimizer(unrolled, torch.optim.AdamW(unrolled.parameters(), lr=1e-2))
-    unrolled_session.checkpoints.load(ckpt, unrolled, unrolled_optimizer)
-    resumed_diff = max_diff(params(scanned, scanned_session), params(unrolled, unrolled_session))
-    # the next step, scanned and resumed unrolled: the optimizer state crossed the setting too
+    trained = params(scanned, scanned_session)
+
+    unrolled, unrolled_session, unrolled_optimizer = build(False)
+    try:
+        unrolled_session.checkpoints.load(ckpt, unrolled, unrolled_optimizer)
+        optimizer_error = None
+    except CheckpointError as err:
+        optimizer_error = str(err)
+    unrolled_session.checkpoints.load(ckpt, unrolled)
+    to_unrolled = max_diff(trained, params(unrolled, unrolled_session))
+    back = out / "unrolled"
+    unrolled_session.checkpoints.save(back, unrolled, step=1)
+    again, again_session, _ = build(True)
+    again_session.checkpoints.load(back, again)
+    to_scanned = max_diff(trained, params(again, again_session))
+
+    resumed, resumed_session, resumed_optimizer = build(True)
+    resumed_session.checkpoints.load(ckpt, resumed, resumed_optimizer)
     train(scanned, scanned_session, optimizer, steps=slice(1, 2))
-    train(unrolled, unrolled_session, unrolled_optimizer, steps=slice(1, 2))
-    next_step_diff = max_diff(params(scanned, scanned_session), params(unrolled, unrolled_session))
-    return {"scanned": scanned_is_scanned, "resumed_diff": resumed_diff, "next_step_diff": next_step_diff, "logits_diff": (want - got).abs().max().item(),
+    train(resumed, resumed_session, resumed_optimizer, steps=slice(1, 2))
+    next_step_diff = max_diff(params(scanned, scanned_session), params(resumed, resumed_session))
+    return {"scanned": scanned_is_scanned, "to_unrolled": to_unrolled, "to_scanned": to_scanned,
+            "optimizer_error": optimizer_error, "next_step_diff": next_step_diff,
+            "logits_diff": (want - got).abs().max().item(),
             "names_equal": sorted(reloaded.state_dict()) == sorted(make("llama").state_dict())}
 
 
