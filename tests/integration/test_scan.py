@@ -89,3 +89,32 @@ def test_scan_layers_reaches_the_plugin_from_fsdp_config_and_the_yaml(tmp_path):
     yaml.write_text("distributed_type: 'NO'\nnum_processes: 1\nfsdp_config:\n  version: 2\n  scan_layers: true\n")
     plugin = XlaFsdpPlugin.from_accelerate_config(yaml)
     assert plugin.scan_layers and plugin.version == 2
+
+
+def test_stock_trainer_script_with_lora_and_checkpointing_trains_like_unrolled(tmp_path):
+    """A run_clm-style Trainer script (one import swapped) with LoRA, activation checkpointing and scan_layers from
+    ``--fsdp_config``: the same losses as without scan_layers; its checkpoint holds peft's adapter files."""
+    import peft
+    import torch
+    from helpers import USER_SCRIPTS
+
+    results = {}
+    for scan in (False, True):
+        out = tmp_path / f"scan{int(scan)}"
+        cfg = tmp_path / f"scan{int(scan)}.json"
+        cfg.write_text(json.dumps({"xla": True, "xla_fsdp_v2": True, "xla_fsdp_grad_ckpt": True, "scan_layers": scan}))
+        res = run_python([USER_SCRIPTS / "stock_trainer.py", "--lora", "true", "--fsdp", "full_shard", "--fsdp_config",
+                          cfg, "--output_dir", out, "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1",
+                          "--per_device_train_batch_size", "8", "--learning_rate", "1e-3", "--report_to", "none",
+                          "--disable_tqdm", "true"], devices=4, timeout=900)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        results[scan] = json.loads((out / "results.json").read_text())["losses"]
+        # the optimizer state of a scanned run is the stacked weights' (rank file metadata names them)
+        assert ("layers_scanned." in (out / "checkpoint-4" / "rank-00000-of-00001.json").read_text()) == scan
+    assert [loss for _, loss in results[True]] == pytest.approx([loss for _, loss in results[False]], abs=1e-4)
+    # the scanned run's checkpoint and final save hold peft's adapter files, named and valued as the unrolled run's
+    for where in ("checkpoint-4", "."):
+        loaded = {scan: peft.load_peft_weights(str(tmp_path / f"scan{int(scan)}" / where)) for scan in (False, True)}
+        assert sorted(loaded[True]) == sorted(loaded[False]) and len(loaded[True]) == 8  # lora_A/B of q/v, 2 layers
+        for key in loaded[False]:
+            torch.testing.assert_close(loaded[True][key], loaded[False][key], atol=1e-4, rtol=0)
