@@ -77,7 +77,10 @@ def depth_child(args: argparse.Namespace) -> dict[str, Any]:
         losses.append(loss.item())
         per_step.append(compile_seconds()[0] - n0 - sum(per_step))
     n1, s1 = compile_seconds()
-    out = {"layers": args.layers, "scan": args.scan, "compile_s": round(s1 - s0, 2), "graphs": n1 - n0, "graphs_per_step": per_step,
+    samples = met.metric_data("CompileTime")[2] if n1 else []
+    out = {"graph_seconds": [round(v / 1e9, 2) for _, v in samples[-(n1 - n0):]] if n1 > n0 else [],
+           "layers": args.layers, "scan": args.scan, "compile_s": round(s1 - s0, 2), "graphs": n1 - n0,
+           "graphs_per_step": per_step,
            "losses": losses, "wall_s": round(time.perf_counter() - start, 2)}
     if args.split:
         out["forward_backward_compile_s"] = round(forward_backward, 2)

@@ -143,9 +143,11 @@ class XlaFsdpPlugin:
                 "file), every other process reads only (see docs/compile-time.md)")
     scan_layers: bool = setting(
         False, "run the model's stack of identical decoder layers as one layer in a loop (torch_xla's scan), so XLA "
-               "compiles one layer instead of all of them; parameter names, checkpoints and outputs are unchanged. "
-               "With activation_checkpointing each layer's activations are recomputed inside the loop. Layers that "
-               "differ (e.g. alternating sliding-window attention) are refused",
+               "compiles one layer instead of all of them. The layers' weights are stored stacked (model.layers_scanned.*); "
+               "state_dict, checkpoints and every output keep the unrolled model's names, and a checkpoint's model "
+               "weights load with or without the setting (the optimizer state only with the same setting). With "
+               "activation_checkpointing each layer's activations are recomputed inside the loop. Layers that "
+               "differ (e.g. alternating sliding-window attention) are refused (see docs/compile-time.md)",
         refused={1: ((True,), "FSDP v1 gathers each block's flat shard in the block's own forward/backward hooks, "
                               "which cannot run inside a scanned loop body; use version=2 (FSDP v2, SPMD)")})
     pad_to_buckets: Union[bool, int, list[int]] = setting(

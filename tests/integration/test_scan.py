@@ -73,7 +73,8 @@ def test_layers_that_differ_are_refused_in_one_line():
                          num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
                          max_window_layers=1, layer_types=["full_attention", "sliding_attention"])
     layers = Qwen2ForCausalLM(config).model.layers
-    with pytest.raises(ConfigError, match=r"layers of Qwen2.layers differ \(.*layer_type.*sliding_attention.* in layer 1.*scan_layers=false") as err:
+    differ = r"layers of Qwen2.layers differ \(.*layer_type.*sliding_attention.* in layer 1.*scan_layers=false"
+    with pytest.raises(ConfigError, match=differ) as err:
         check_homogeneous(list(layers), "Qwen2.layers")
     assert "\n" not in str(err.value)
     # identical layers pass

@@ -24,9 +24,9 @@ xr.use_spmd()
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
 
+from helpers import tiny_gpt2, tiny_llama  # noqa: E402
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM  # noqa: E402
 
-from helpers import tiny_gpt2, tiny_llama  # noqa: E402
 from hf_xla_fsdp import XlaFsdpPlugin, XlaFsdpSession  # noqa: E402
 
 STEPS = 2
