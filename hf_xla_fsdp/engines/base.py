@@ -156,6 +156,10 @@ class Engine:
         """An XLA device loader adjusted for this engine (e.g. inputs split over every device)."""
         return loader
 
+    def like_step_output(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> None:
+        """Give ``tensor``, a value a training loop carries from step to step (e.g. the Trainer's running loss), the
+        annotation a step's outputs come back with, so the first step's graph is the one every later step runs."""
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the model's gradients to ``max_norm`` over every shard of every rank; returns the total norm."""
         params = [p for p in model.parameters() if p.grad is not None]

@@ -296,6 +296,14 @@ class XlaFsdpV2(Engine):
 
         return Annotations()
 
+    def like_step_output(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> None:
+        import torch_xla.distributed.spmd as xs
+
+        # an SPMD step's outputs come back annotated (a scalar: replicated); a carried tensor created unannotated
+        # would make step 2's graph differ from step 1's and compile again
+        if tensor.device.type == "xla" and not sharding_spec(tensor):
+            xs.mark_sharding(tensor, get_mesh(plugin), (None,) * tensor.dim())
+
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         attach(model, optimizer)
 

@@ -170,6 +170,11 @@ class XlaFsdpSession:
                                       after_compile=compile_cache.check, errors=self._pad_errors)
         return shapes.watch_loader(loader, watch)
 
+    def like_step_output(self, tensor: torch.Tensor) -> None:
+        """Annotate ``tensor``, carried by a training loop from step to step, as a step's outputs are, so the
+        training step compiles once (not again at step 2)."""
+        self.engine.like_step_output(tensor, self.plugin)
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients over every shard of every rank; returns the total norm."""
         return self.engine.clip_grad_norm(model, max_norm, norm_type)
