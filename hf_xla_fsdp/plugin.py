@@ -213,10 +213,6 @@ class XlaFsdpPlugin:
             owners = sorted({v for f in dataclasses.fields(self) if f.name in changed for v in f.metadata["engines"]})
             raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
                               f"{' or '.join(f'version={v}' for v in owners)} only; remove it for version={self.version}")
-        if self.scan_layers and self.compute_dtype not in (None, torch.float32):
-            raise ConfigError(f"scan_layers with compute_dtype={str(self.compute_dtype).replace('torch.', '')} is not "
-                              "supported yet (the fp32 master copies are kept per layer, the scanned weights are "
-                              "stacked); use one of the two")
         group = (self.sharding_groups, self.sharding_rank, self.sharding_world_size)
         if any(v is not None for v in group) and not all(v is not None for v in group):
             raise ConfigError(

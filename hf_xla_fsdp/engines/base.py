@@ -126,7 +126,7 @@ class Engine:
 
         return checkpoint_module(block)
 
-    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> Any:
+    def scan_annotations(self, plugin: "XlaFsdpPlugin", model: nn.Module) -> Any:
         """For ``scan_layers``: a :class:`~hf_xla_fsdp.modeling.scan.ScanAnnotations` (the sharding of stacked
         weights, their per-layer slices and the scan's output)."""
         from ..modeling.scan import ScanAnnotations

@@ -209,7 +209,30 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(t))
             master = masters.master(t) if masters is not None else None
             out[MODEL_PREFIX + clean_name(name)] = t if master is None else master
+    if masters is not None:
+        _stacked_masters(model, masters, out)
     return out
+
+
+def _stacked_masters(model: nn.Module, masters: Any, out: dict[str, torch.Tensor]) -> None:
+    """``scan_layers``: the state dict gives each layer's low-precision slice; save its fp32 copy's slice instead."""
+    import torch_xla
+
+    from ..modeling.scan import stacked_weights
+
+    slices = []
+    for param, names in stacked_weights(model):
+        master = masters.master(param)
+        if master is None:
+            continue
+        for i, name in enumerate(names):
+            key = MODEL_PREFIX + clean_name(name)
+            piece = master[i].clone()
+            _same_sharding(piece, out[key])
+            out[key] = piece
+            slices.append(piece)
+    if slices:
+        torch_xla._XLAC._xla_sync_multi(slices, devices=[], wait=True)
 
 
 def _stand_ins(model: nn.Module) -> Any:
@@ -266,10 +289,11 @@ class XlaFsdpV2(Engine):
                         buf.data = buf.data.to(plugin.buffer_dtype)
         return wrapped
 
-    def scan_annotations(self, plugin: "XlaFsdpPlugin") -> Any:
+    def scan_annotations(self, plugin: "XlaFsdpPlugin", model: nn.Module) -> Any:
         from ..modeling.scan import ScanAnnotations
 
         mesh = get_mesh(plugin)
+        masters = master_weights(model)
 
         class Annotations(ScanAnnotations):
             def spec(self, tensor: torch.Tensor) -> Optional[tuple]:
@@ -293,6 +317,10 @@ class XlaFsdpV2(Engine):
                 xla = [t for t in tensors if t.device.type == "xla"]
                 if xla:
                     torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True)
+
+            def restacked(self, layers: list[torch.Tensor], stacked: nn.Parameter) -> None:
+                if masters is not None:
+                    masters.restack(layers, stacked)
 
         return Annotations()
 
@@ -398,12 +426,14 @@ class XlaFsdpV2(Engine):
                 if tuple(full.shape) != tuple(t.shape):
                     raise CheckpointError(f"{name} is {list(full.shape)} in {ckpt_dir} but {list(t.shape)} in the model")
                 t.copy_(full)  # keeps the tensor's sharding: each device receives its slice
+            masters = master_weights(model)
             for param, names in stacked:
                 full = torch.stack([read_pieces(entries[n]) for n in names])
                 if tuple(full.shape) != tuple(param.shape):
                     raise CheckpointError(f"{names[0]} and the other layers are {list(full.shape[1:])} in {ckpt_dir} but "
                                           f"{list(param.shape[1:])} in the model")
-                param.copy_(full)
+                master = masters.master(param) if masters is not None else None
+                (param if master is None else master).copy_(full)  # a master is copied into the parameter below
         if master_weights(model) is not None:
             master_weights(model).sync_params()
         meta = files[0].meta

@@ -123,6 +123,9 @@ class ScanAnnotations:
     def materialize(self, tensors: list[torch.Tensor]) -> None:
         """Compute ``tensors`` in one graph (the per-layer slices a ``state_dict`` hands out)."""
 
+    def restacked(self, layers: list[torch.Tensor], stacked: nn.Parameter) -> None:
+        """The parameters ``layers`` now live in ``stacked`` (e.g. their fp32 master copies follow)."""
+
 
 class _Stacked:
     """One scanned list's weights: ``rel`` (a parameter's name inside one layer) -> the ``(N, ...)`` parameter, the
@@ -380,6 +383,9 @@ def install(model: nn.Module, blocks: Sequence[nn.Module], *, unwrap: Callable[[
     ``annotations`` is the engine's sharding of weights and outputs. Refuses, in one line, a model with no such list,
     with layers that differ, or with a weight shared between layers.
     """
+    from .. import upstream
+
+    upstream.require("scan")  # torch_xla's scan internals the loop runs on
     stacks = find_stacks(model, blocks)
     if not stacks:
         raise ConfigError(f"scan_layers: {type(model).__name__} has no list of two or more identical blocks (its FSDP "
@@ -436,6 +442,7 @@ def _store_stacked(owner: nn.Module, attr: str, layers: nn.ModuleList, config: _
             stacked = nn.Parameter(torch.stack([t.detach() for t in tensors]), requires_grad=tensors[0].requires_grad)
         if spec is not None:  # the layer axis stays whole (the loop walks it); each layer's slice keeps its split
             config.annotations.mark(stacked, (None, *spec))
+        config.annotations.restacked(tensors, stacked)
         prefix, _, leaf = rel.rpartition(".")
         skeleton.get_submodule(prefix).register_parameter(leaf, stacked)
         out.params[rel], out.specs[rel] = stacked, spec

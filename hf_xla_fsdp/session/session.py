@@ -130,7 +130,7 @@ class XlaFsdpSession:
         blocks = [m for m in inner.modules() if m is not inner
                   and (isinstance(m, self.engine.unit_class()) or type(self.engine.unwrap(m)).__name__ in names)]
         install(inner, blocks, unwrap=self.engine.unwrap, remat=self.plugin.activation_checkpointing,
-                annotations=self.engine.scan_annotations(self.plugin))
+                annotations=self.engine.scan_annotations(self.plugin, wrapped))
 
     @staticmethod
     def _check_not_wrapped(model: nn.Module) -> None:

@@ -19,6 +19,7 @@ def worker(mode: str, *args: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_scanned_training_equals_unrolled_for_llama_remat_and_gpt2():
     report = worker("equal")
     for family, run in report.items():
@@ -56,12 +57,20 @@ def test_checkpoints_cross_the_setting_and_consolidate(tmp_path):
     assert run["logits_diff"] < 1e-4  # from_pretrained(consolidated) vs the scanned model (eval scans too)
 
 
-def test_scan_layers_on_fsdp_v1_and_with_master_copies_is_refused_in_one_line():
+@pytest.mark.slow
+def test_bf16_parameters_with_fp32_copies_under_scan(tmp_path):
+    run = worker("bf16", "--out", str(tmp_path))
+    unrolled, scanned = run["losses"]
+    assert run["dtypes"] == ["torch.bfloat16"] and run["n_copies"] == 30  # every weight has its (stacked) fp32 copy
+    assert scanned[0] == unrolled[0] and scanned == pytest.approx(unrolled, abs=1e-3)  # bf16 compute, fp32 updates
+    # a scanned checkpoint holds the fp32 copies under the layers' names: an unrolled run loads them bit-exact
+    assert run["resumed_diff"] == 0.0 and run["bf16_diff"] == 0.0
+
+
+def test_scan_layers_on_fsdp_v1_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="scan_layers.*version=2") as err:
         XlaFsdpPlugin(version=1, scan_layers=True)
     assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="scan_layers with compute_dtype=bfloat16 is not supported yet"):
-        XlaFsdpPlugin(version=2, scan_layers=True, compute_dtype="bfloat16")
 
 
 def test_layers_that_differ_are_refused_in_one_line():
@@ -92,6 +101,7 @@ def test_scan_layers_reaches_the_plugin_from_fsdp_config_and_the_yaml(tmp_path):
     assert plugin.scan_layers and plugin.version == 2
 
 
+@pytest.mark.slow
 def test_stock_trainer_script_with_lora_and_checkpointing_trains_like_unrolled(tmp_path):
     """A run_clm-style Trainer script (one import swapped) with LoRA, activation checkpointing and scan_layers from
     ``--fsdp_config``: the same losses as without scan_layers; its checkpoint holds peft's adapter files."""

@@ -180,14 +180,42 @@ def cmd_resume(args: argparse.Namespace) -> dict:
             "names_equal": sorted(reloaded.state_dict()) == sorted(make("llama").state_dict())}
 
 
+def cmd_bf16(args: argparse.Namespace) -> dict:
+    """compute_dtype bfloat16 (parameters in bf16, the optimizer on fp32 copies): scanned vs unrolled losses, and a
+    scanned checkpoint's fp32 copies loaded into an unrolled run."""
+    from hf_xla_fsdp.engines.master_weights import master_weights
+
+    def fp32_copies(model: torch.nn.Module, session: XlaFsdpSession) -> dict[str, torch.Tensor]:
+        masters = master_weights(model)
+        return by_layer(model, session, {n: masters.master(p) for n, p in model.named_parameters()
+                                         if masters.master(p) is not None})
+
+    runs = {}
+    for scan in (False, True):
+        session = XlaFsdpSession(XlaFsdpPlugin(version=2, scan_layers=scan, compute_dtype="bfloat16"))
+        model = session.wrap_model(make("llama"))
+        losses, _, optimizer = train(model, session)
+        runs[scan] = (losses, model, session)
+    ckpt = Path(args.out) / "bf16"
+    _, scanned, scanned_session = runs[True]
+    scanned_session.checkpoints.save(ckpt, scanned, step=2)
+    unrolled_session = XlaFsdpSession(XlaFsdpPlugin(version=2, compute_dtype="bfloat16"))
+    unrolled = unrolled_session.wrap_model(make("llama"))
+    unrolled_session.checkpoints.load(ckpt, unrolled)
+    want, got = fp32_copies(scanned, scanned_session), fp32_copies(unrolled, unrolled_session)
+    return {"losses": [runs[False][0], runs[True][0]], "n_copies": len(want),
+            "dtypes": sorted({str(p.dtype) for p in scanned.parameters()}), "resumed_diff": max_diff(want, got),
+            "bf16_diff": max_diff(params(scanned, scanned_session), params(unrolled, unrolled_session))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["equal", "lora", "resume"])
+    parser.add_argument("what", choices=["equal", "lora", "resume", "bf16"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
         args.out = tempfile.mkdtemp()
-    result = {"equal": cmd_equal, "lora": cmd_lora, "resume": cmd_resume}[args.what](args)
+    result = {"equal": cmd_equal, "lora": cmd_lora, "resume": cmd_resume, "bf16": cmd_bf16}[args.what](args)
     print(json.dumps(result))
 
 
