@@ -321,6 +321,8 @@ class XlaFsdpV2(Engine):
             def restacked(self, layers: list[torch.Tensor], stacked: nn.Parameter) -> None:
                 if masters is not None:
                     masters.restack(layers, stacked)
+                    if masters.master(stacked) is not None:
+                        self.materialize([masters.master(stacked)])
 
         return Annotations()
 

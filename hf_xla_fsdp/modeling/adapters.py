@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
@@ -72,4 +73,14 @@ def init_adapters(layers: list[nn.Module], peft_model: nn.Module) -> None:
             raise ConfigError(f"{type(layer).__name__} adapters cannot be initialized on meta (LoRA can); call "
                               "get_peft_model on a model built with XlaFsdpPlugin.build(..., meta_init=False) instead")
         for adapter in layer.lora_A.keys():
+            # on meta nothing ran peft's construction, which draws nn.Linear's own init for A then B before its reset
+            # (with init_lora_weights=False that is the only init: skipping it left uninitialized memory)
+            for part in (layer.lora_A[adapter], layer.lora_B[adapter]):
+                if hasattr(part, "reset_parameters"):
+                    part.reset_parameters()
+            reset(adapter, getattr(configs.get(adapter), "init_lora_weights", True))
+        for adapter in getattr(layer, "lora_embedding_A", {}).keys():
+            with torch.no_grad():  # peft's construction: torch.randn for A then B
+                layer.lora_embedding_A[adapter].normal_()
+                layer.lora_embedding_B[adapter].normal_()
             reset(adapter, getattr(configs.get(adapter), "init_lora_weights", True))

@@ -630,8 +630,20 @@ def build_sharded(
         model = adapters.attach_adapters(sk.model, peft_config)  # injects into sk.model, all still on meta
         key_of = adapters.checkpoint_key
 
+        stream: list[torch.Tensor] = []
+
         def init_adapters(modules: list[nn.Module]) -> None:
-            adapters.init_adapters(adapters.adapter_layers(modules), model)
+            layers = adapters.adapter_layers(modules)
+            if not layers:
+                return
+            # the adapters draw one sequence across blocks, as eager get_peft_model does after the base's init (a
+            # fill leaves the RNG where the base's init stands, which would give every block the same draws)
+            outer = torch.get_rng_state()
+            if stream:
+                torch.set_rng_state(stream[-1])
+            adapters.init_adapters(layers, model)
+            stream[:] = [torch.get_rng_state()]
+            torch.set_rng_state(outer)
     with _older_objects_frozen():
         return _fill_and_wrap(sk, model, plan_blocks(model, plugin), key_of, init_adapters, wrap_block=wrap_block,
                               wrap_root=wrap_root, progress=progress)

@@ -443,6 +443,7 @@ def _store_stacked(owner: nn.Module, attr: str, layers: nn.ModuleList, config: _
         if spec is not None:  # the layer axis stays whole (the loop walks it); each layer's slice keeps its split
             config.annotations.mark(stacked, (None, *spec))
         config.annotations.restacked(tensors, stacked)
+        config.annotations.materialize([stacked])  # one weight at a time: the layers' copies go as the stack comes
         prefix, _, leaf = rel.rpartition(".")
         skeleton.get_submodule(prefix).register_parameter(leaf, stacked)
         out.params[rel], out.specs[rel] = stacked, spec
@@ -450,7 +451,6 @@ def _store_stacked(owner: nn.Module, attr: str, layers: nn.ModuleList, config: _
         for m in inner:
             del m.get_submodule(prefix)._parameters[leaf]
     owner.add_module(out.attr, skeleton)
-    config.annotations.materialize(list(out.params.values()))  # the stacks exist; the per-layer tensors can go
     return out
 
 

@@ -224,3 +224,26 @@ def test_random_init_of_a_real_tensor_is_drawn_in_eager_order():
     assert torch.equal(torch.get_rng_state(), eager_rng)
     _assert_equal_to_eager(consolidate(model), eager, state)
     assert torch.equal(unwrap(model).noise.cpu(), eager.noise)
+
+
+@pytest.mark.parametrize("init_lora_weights", [True, False])
+def test_lora_adapters_built_on_meta_equal_eager_peft(init_lora_weights):
+    """LoRA attached on meta gets what peft's eager construction draws (nn.Linear's own init of A then B, then peft's
+    reset), one sequence across blocks: bit-equal to an eager build. With init_lora_weights=False that construction
+    is the only init (it used to leave uninitialized memory: values of 1e13 and NaN losses)."""
+    from peft import LoraConfig
+
+    def lora(meta: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = XlaFsdpPlugin(meta_init=meta).build(
+            tiny_llama(num_hidden_layers=2), progress=False,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=init_lora_weights))
+        return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+
+    on_meta, eager = lora(True), lora(False)
+    assert sorted(on_meta) == sorted(eager) and len(on_meta) == 8
+    for name, tensor in eager.items():
+        assert torch.equal(on_meta[name], tensor), name
+        assert tensor.isfinite().all() and tensor.abs().max() < 1, name
+    a = [t for n, t in on_meta.items() if "lora_A" in n and "q_proj" in n]
+    assert not torch.equal(a[0], a[1])  # each layer's adapters draw their own values
