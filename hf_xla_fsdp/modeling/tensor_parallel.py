@@ -4,8 +4,9 @@ With ``tensor_parallel_size`` T > 1 the devices form a ``(replica, fsdp, tensor)
 block the attention is split by heads (q/k/v column-wise: the output dim over ``tensor``; o_proj row-wise: the
 input dim over ``tensor``) and the MLP likewise (gate/up column, down row), Megatron-style, so one block needs
 one all-reduce over ``tensor`` after attention and one after the MLP. Every split weight keeps FSDP sharding
-over ``fsdp`` on its other dim (``q_proj.weight``: ``("tensor", "fsdp")``); weights no plan names are left to
-``SpmdFullyShardedDataParallel`` (``fsdp`` only, replicated over ``tensor``).
+over ``fsdp`` on its other dim (``q_proj.weight``: ``("tensor", "fsdp")``); parameters no plan names (norms,
+position embeddings, GPT-2's attention, LoRA adapters) are sharded as plain FSDP over ``fsdp`` and ``tensor``
+together, so every device holds 1/N of the model as on a 1D mesh.
 
 A plan is a plain mapping ``{pattern: axes}``: ``axes`` holds one entry per dim of the weight (a mesh axis name,
 a list of them, or None); ``pattern`` is a glob matched against the parameter's name or any dotted suffix of it
@@ -208,7 +209,9 @@ def _split_kind(module: nn.Module, leaf: str, axes: Axes) -> Optional[str]:
 
 def apply_plan(module: nn.Module, plan: TensorPlan, mesh: Any, batch_axes: Sequence[str]) -> int:
     """Mark the planned weights of ``module`` (already on the XLA device) with their 2D sharding, and annotate
-    the outputs of the split layers; returns how many weights were split. Weights sharded already are left alone.
+    the outputs of the split layers; returns how many weights were split. Every other parameter is sharded over
+``fsdp`` and ``tensor`` together on its largest dim (plain FSDP over all devices). Parameters sharded already
+are left alone.
 
     A column-parallel layer's output is marked split over batch and over ``tensor`` on its last dim (so attention
     runs on the local heads, the MLP on the local intermediate slice); a row-parallel layer's output is marked split
@@ -221,8 +224,15 @@ def apply_plan(module: nn.Module, plan: TensorPlan, mesh: Any, batch_axes: Seque
     count = 0
     hooked: set[int] = set()
     for name, param in list(module.named_parameters()):
+        if torch_xla._XLAC._get_xla_sharding_spec(param):
+            continue
         axes = plan.axes_for(name)
-        if axes is None or torch_xla._XLAC._get_xla_sharding_spec(param):
+        if axes is None:
+            if param.dim():  # not split: plain FSDP over every device, as on a 1D mesh (fsdp alone would
+                # leave a copy on each of the T devices); its largest dim, as SpmdFullyShardedDataParallel picks
+                spec: list[Any] = [None] * param.dim()
+                spec[list(param.shape).index(max(param.shape))] = ("fsdp", TENSOR_AXIS)
+                xs.mark_sharding(param, mesh, tuple(spec))
             continue
         if len(axes) != param.dim():
             raise ConfigError(f"tensor_parallel_plan gives {len(axes)} axes for {name}, which has {param.dim()} dims "

@@ -1,0 +1,134 @@
+"""FSDP v2 x tensor parallelism on 8 XLA:CPU devices: 2D shardings, equality with the 1D mesh, 2D<->1D resume,
+consolidation through the CLI into the same from_pretrained model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SCRIPTS, run_python
+
+WORKER = SCRIPTS / "tp_worker.py"
+DEVICES = 8
+
+
+def worker(*args: str) -> dict:
+    """One tp_worker.py scenario on 8 XLA:CPU devices; its JSON report."""
+    res = run_python([WORKER, *args], devices=DEVICES, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def tiles(spec: str) -> list[int]:
+    """The tile grid of an XLA sharding annotation, e.g. ``[2, 4]`` for ``{devices=[2,4]...}``."""
+    return [int(d) for d in re.search(r"devices=\[([\d,]+)\]", spec).group(1).split(",")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Llama on fsdp 4 x tensor 2 and on fsdp 8, each trained, checkpointed and resumed on the other mesh."""
+    root = tmp_path_factory.mktemp("tp")
+    out = {t: worker("train", "--tensor", str(t), "--out", str(root / f"t{t}")) for t in (2, 1)}
+    for saved, loaded in ((2, 1), (1, 2)):
+        out[f"{saved}->{loaded}"] = worker("resume", "--tensor", str(loaded), "--ckpt", str(root / f"t{saved}" / "ckpt"),
+                                           "--ref", str(root / f"t{saved}" / "ref.safetensors"))
+    out["root"] = root
+    return out
+
+
+@pytest.mark.slow
+def test_weights_split_over_fsdp_and_tensor(runs):
+    two = runs[2]
+    assert two["mesh"] == {"replica": 1, "fsdp": 4, "tensor": 2}
+    specs = two["specs"]
+    for i in range(2):
+        layer = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert tiles(specs[layer + name + ".weight"]) == [2, 4], name  # column: out over tensor, in over fsdp
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert tiles(specs[layer + name + ".weight"]) == [4, 2], name  # row: out over fsdp, in over tensor
+        assert tiles(specs[layer + "input_layernorm.weight"]) == [8]  # not split: plain FSDP over all 8 devices
+    assert tiles(specs["model.embed_tokens.weight"]) == [2, 4] and tiles(specs["lm_head.weight"]) == [2, 4]
+    assert all("last_tile_dim_replicate" not in s for s in specs.values())  # no weight replicated anywhere
+    # activations: q / up split over batch (fsdp) and features (tensor); attention, MLP and block outputs over
+    # batch only, replicated over tensor (XLA all-reduces the row-parallel partial sums there)
+    act = two["activation_specs"]
+    assert tiles(act["q"]) == [4, 1, 2] and tiles(act["mlp_in"]) == [4, 1, 2]
+    for name in ("attn", "mlp", "block"):
+        assert tiles(act[name]) == [4, 1, 1, 2] and "last_tile_dim_replicate" in act[name], (name, act[name])
+    # each device holds 1/8 of every parameter, exactly as on the 1D mesh
+    assert len(two["device_bytes"]) == DEVICES and two["device_bytes"] == runs[1]["device_bytes"]
+
+
+@pytest.mark.slow
+def test_trains_like_the_1d_mesh(runs):
+    one, two = runs[1], runs[2]
+    assert one["mesh"] == {"replica": 1, "fsdp": 8}
+    assert one["losses"][-1] < one["losses"][0] - 0.05  # it trains
+    # fp32, same init and data: only the order of sharded sums differs
+    both = one["losses"] + one["continued"], two["losses"] + two["continued"]
+    assert max(abs(a - b) for a, b in zip(*both)) < 1e-4, both
+
+
+@pytest.mark.slow
+def test_resume_across_meshes_is_bit_exact(runs):
+    for saved, loaded in ((2, 1), (1, 2)):
+        r = runs[f"{saved}->{loaded}"]
+        assert r["differ"] == [] and r["missing"] == [], r
+        # the resumed run continues like the run that saved (another mesh: sums in another order only)
+        assert max(abs(a - b) for a, b in zip(r["continued"], runs[saved]["continued"])) < 1e-4
+
+
+def consolidated_logits_diff(run: Path) -> float:
+    """Consolidate ``run``/ckpt with the CLI; max |logits| difference of its from_pretrained model vs. the trained one."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from hf_xla_fsdp.cli import main
+
+    assert main(["consolidate", str(run / "ckpt"), "--output", str(run / "final"), "--quiet"]) == 0
+    model, info = AutoModelForCausalLM.from_pretrained(run / "final", output_loading_info=True)
+    assert {k: sorted(v) for k, v in info.items() if k != "error_msgs"} == {
+        "missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}
+    saved = load_file(str(run / "logits.safetensors"))
+    with torch.no_grad():
+        return float((model(input_ids=saved["ids"]).logits - saved["logits"]).abs().max())
+
+
+@pytest.mark.slow
+def test_2d_checkpoint_consolidates_into_the_trained_model(runs):
+    assert consolidated_logits_diff(runs["root"] / "t2") < 1e-4
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """GPT-2 (Conv1D, packed c_attn, tied embeddings) and Qwen2 (GQA, q/k/v biases) on both meshes."""
+    root = tmp_path_factory.mktemp("tp_families")
+    out = {(f, t): worker("train", "--family", f, "--tensor", str(t), "--out", str(root / f"{f}{t}"))
+           for f in ("gpt2", "qwen2") for t in (2, 1)}
+    out["root"] = root
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+def test_other_families_train_like_1d_and_consolidate(families, family):
+    one, two = families[(family, 1)], families[(family, 2)]
+    both = one["losses"] + one["continued"], two["losses"] + two["continued"]
+    assert max(abs(a - b) for a, b in zip(*both)) < 1e-4, both
+    assert two["device_bytes"] == one["device_bytes"]
+    specs = two["specs"]
+    if family == "gpt2":  # Conv1D is [in, out]: c_fc column = dim 1 over tensor, c_proj row = dim 0 over tensor
+        assert tiles(specs["transformer.h.0.mlp.c_fc.weight"]) == [4, 2]
+        assert tiles(specs["transformer.h.0.mlp.c_proj.weight"]) == [2, 4]
+        assert tiles(specs["transformer.wte.weight"]) == [2, 4]  # vocab over tensor (lm_head is the same tensor)
+        # c_attn packs q, k, v: not split over tensor (plain FSDP over all 8 devices)
+        assert tiles(specs["transformer.h.0.attn.c_attn.weight"]) == [1, 8]
+    else:
+        assert tiles(specs["model.layers.0.self_attn.k_proj.weight"]) == [2, 4]
+        assert tiles(specs["model.layers.0.self_attn.k_proj.bias"]) == [8]  # follows its weight's split
+        assert tiles(specs["model.layers.0.mlp.down_proj.weight"]) == [4, 2]
+    assert consolidated_logits_diff(families["root"] / f"{family}2") < 1e-4
