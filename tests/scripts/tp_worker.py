@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from hf_xla_fsdp import XlaFsdpPlugin  # noqa: E402
 from hf_xla_fsdp.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from hf_xla_fsdp.engines import v2 as spmd  # noqa: E402
+from hf_xla_fsdp.runtime import wait_device_ops  # noqa: E402
 from hf_xla_fsdp.train import arithmetic_lm_batches, train_step  # noqa: E402
 
 VOCAB = 128
@@ -74,16 +75,26 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--ref", default=None)
+    p.add_argument("--dtype", default=None, help="compute_dtype (bf16: parameters in bf16, fp32 master copies)")
+    p.add_argument("--lora", action="store_true", help="LoRA adapters on q_proj, v_proj and down_proj")
     args = p.parse_args()
     import torch_xla
 
-    plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, tensor_parallel_size=args.tensor)
+    plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, tensor_parallel_size=args.tensor,
+                           compute_dtype=args.dtype)
     torch.manual_seed(0 if args.mode == "train" else 1)  # a resumed model differs until the checkpoint loads
-    model = plugin.build(config(args.family), progress=False)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = plugin.build(config(args.family), progress=False, peft_config=peft_config)
     mesh = spmd.get_mesh(plugin)
     data = batches()
-    report: dict = {"mesh": dict(zip(mesh.axis_names, mesh.mesh_shape))}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    report: dict = {"mesh": dict(zip(mesh.axis_names, mesh.mesh_shape)),
+                    "dtypes": sorted({str(q.dtype) for q in model.parameters()})}
+    optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-2)
+    plugin.prepare_optimizer(model, optimizer)  # bf16: AdamW updates the fp32 master copies
     if args.mode == "resume":
         load_checkpoint(args.ckpt, model, optimizer)
         ref = load_file(args.ref)
@@ -94,9 +105,11 @@ def main() -> None:
         print(json.dumps(report))
         return
     report["specs"] = {spmd.clean_name(n): spmd.sharding_spec(q) for n, q in model.named_parameters()}
+    wait_device_ops()  # placements are readable only once the optimizer state's creation has run
     report["device_bytes"] = spmd.device_bytes(model)
     # the shardings XLA sees on activations: a block's output, and inside it the attention's and the MLP's
-    blocks = model.get_submodule("model.layers" if args.family != "gpt2" else "transformer.h")
+    blocks = next(m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)
+                  and spmd.clean_name(n).endswith(("layers", ".h")))
     first = blocks[0]
     inner = spmd.XlaFsdpV2().unwrap(first)
     seen: dict[str, str] = {}
