@@ -77,6 +77,18 @@ def spmd_class() -> type:
     return SpmdFullyShardedDataParallel
 
 
+def mesh_layout(devices: int, replicas: int, tensor: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Shape and axis names of the mesh over ``devices``: ``(replica, fsdp)``, plus ``tensor`` when ``tensor`` > 1."""
+    if devices % (replicas * tensor):
+        what = f"replica_size={replicas}" + (f" x tensor_parallel_size={tensor} = {replicas * tensor}" if tensor > 1 else "")
+        raise ConfigError(f"{what} does not divide the {devices} devices; choose sizes whose product divides {devices}")
+    shape: tuple[int, ...] = (replicas, devices // (replicas * tensor))
+    axes: tuple[str, ...] = (REPLICA_AXIS, FSDP_AXIS)
+    if tensor > 1:
+        shape, axes = shape + (tensor,), axes + (TENSOR_AXIS,)
+    return shape, axes
+
+
 def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
     """The device mesh over every device, made once per process and set as the global mesh.
 
@@ -88,14 +100,7 @@ def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
 
     enable_spmd()
     devices = device_count()
-    replicas, tensor = plugin.replica_size, plugin.tensor_parallel_size
-    if devices % (replicas * tensor):
-        what = f"replica_size={replicas}" + (f" x tensor_parallel_size={tensor} = {replicas * tensor}" if tensor > 1 else "")
-        raise ConfigError(f"{what} does not divide the {devices} devices; choose sizes whose product divides {devices}")
-    shape: tuple[int, ...] = (replicas, devices // (replicas * tensor))
-    axes: tuple[str, ...] = (REPLICA_AXIS, FSDP_AXIS)
-    if tensor > 1:
-        shape, axes = shape + (tensor,), axes + (TENSOR_AXIS,)
+    shape, axes = mesh_layout(devices, plugin.replica_size, plugin.tensor_parallel_size)
     mesh = xs.get_global_mesh()
     if mesh is None or tuple(mesh.mesh_shape) != shape or tuple(mesh.axis_names) != axes:
         mesh = xs.Mesh(np.arange(devices), shape, axes)

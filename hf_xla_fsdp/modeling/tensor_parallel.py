@@ -171,9 +171,9 @@ def resolve_plan(config: Any, size: int, override: Optional[Mapping[str, Axes]] 
     vocab = getattr(config, "vocab_size", 0) or 0
     if vocab % size == 0:
         weights.update(family.vocab)
-    else:  # XLA would pad an uneven split; the embedding and LM head stay fsdp-only instead
-        logger.warning("tensor_parallel_size=%d does not divide vocab_size=%d: embeddings and LM head stay sharded "
-                       "over fsdp only", size, vocab)
+    else:  # XLA would pad an uneven split; the embedding and LM head stay plain FSDP instead
+        logger.warning("tensor_parallel_size=%d does not divide vocab_size=%d: embeddings and LM head stay plain FSDP "
+                       "(sharded over fsdp x tensor on one dim)", size, vocab)
     return TensorPlan(size, weights)
 
 
