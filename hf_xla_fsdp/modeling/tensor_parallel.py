@@ -207,6 +207,50 @@ def _split_kind(module: nn.Module, leaf: str, axes: Axes) -> Optional[str]:
     return None
 
 
+#: transformers attention implementation (``config._attn_implementation``, not saved in config.json) that keeps
+#: the heads split over ``tensor``: set on models whose q_proj is column-split
+HEAD_LOCAL = "hf_xla_fsdp_head_local"
+
+
+def register_head_local_attention() -> str:
+    """Register :func:`head_local_attention` (and transformers' eager mask for it); returns its name."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(HEAD_LOCAL, head_local_attention)
+    AttentionMaskInterface.register(HEAD_LOCAL, eager_mask)
+    return HEAD_LOCAL
+
+
+def head_local_attention(module: nn.Module, query: Any, key: Any, value: Any, attention_mask: Any,
+                         scaling: float, dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
+    """transformers' eager attention, with einsums and sharding annotations so each device keeps its heads.
+
+    Both SDPA and eager attention multiply through ``matmul`` on 4-D tensors, which XLA lowers by merging batch and
+    heads into one dim; with the batch split over fsdp (more than one sample per device) and the heads over tensor
+    that merged dim has no tiling, so XLA all-gathers q, k and v over ``tensor`` and every device computes every head
+    (seen in the partitioned HLO). ``einsum`` keeps batch and heads as two dims.
+    """
+    import torch
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh()
+    batch = ("replica", "fsdp")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # GQA: each device's KV heads serve its own query heads (T divides the KV heads)
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    for t in (query, key, value):
+        xs.mark_sharding(t, mesh, (batch, TENSOR_AXIS, None, None))
+    weights = torch.einsum("bhqd,bhkd->bhqk", query, key) * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    out = torch.einsum("bhqk,bhkd->bhqd", weights, value).transpose(1, 2).contiguous()
+    xs.mark_sharding(out, mesh, (batch, None, TENSOR_AXIS, None))
+    return out, weights
+
+
 def apply_plan(module: nn.Module, plan: TensorPlan, mesh: Any, batch_axes: Sequence[str]) -> int:
     """Mark the planned weights of ``module`` (already on the XLA device) with their 2D sharding, and annotate
     the outputs of the split layers; returns how many weights were split. Every other parameter is sharded over
@@ -223,15 +267,20 @@ are left alone.
     batch = tuple(batch_axes)
     count = 0
     hooked: set[int] = set()
+    columns: set[int] = set()
     for name, param in list(module.named_parameters()):
         if torch_xla._XLAC._get_xla_sharding_spec(param):
             continue
         axes = plan.axes_for(name)
         if axes is None:
-            if param.dim():  # not split: plain FSDP over every device, as on a 1D mesh (fsdp alone would
-                # leave a copy on each of the T devices); its largest dim, as SpmdFullyShardedDataParallel picks
+            if param.dim():  # not split: plain FSDP over every device, as on a 1D mesh (fsdp alone would leave
+                # a copy on each of the T devices); its largest dim, as SpmdFullyShardedDataParallel picks;
                 spec: list[Any] = [None] * param.dim()
-                spec[list(param.shape).index(max(param.shape))] = ("fsdp", TENSOR_AXIS)
+                # a 1-D one (norm weight, bias) over fsdp only: split over all devices, XLA broadcasts the shard
+                # to [batch, seq, hidden] and then all-gathers that activation-sized tensor ("involuntary full
+                # rematerialization"); split over fsdp it all-gathers the weight itself, as on a 1D mesh
+                axis: Any = ("fsdp", TENSOR_AXIS) if param.dim() > 1 else "fsdp"
+                spec[list(param.shape).index(max(param.shape))] = axis
                 xs.mark_sharding(param, mesh, tuple(spec))
             continue
         if len(axes) != param.dim():
@@ -244,6 +293,15 @@ are left alone.
         if kind is not None and id(owner) not in hooked:
             hooked.add(id(owner))
             owner.register_forward_hook(_output_hook(mesh, batch, kind == "column"))
+            if kind == "column":
+                columns.add(id(owner))
+    for sub in module.modules():
+        q_proj = getattr(sub, "q_proj", None)
+        q_proj = getattr(q_proj, "base_layer", q_proj)  # PEFT
+        config = getattr(sub, "config", None)
+        if (id(q_proj) in columns and hasattr(sub, "num_key_value_groups")
+                and getattr(config, "_attn_implementation", None) in ("sdpa", "eager", HEAD_LOCAL)):
+            config._attn_implementation = register_head_local_attention()
     return count
 
 
