@@ -99,6 +99,9 @@ def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
     import torch_xla.distributed.spmd as xs
 
     enable_spmd()
+    if plugin.tensor_parallel_size == "auto":
+        raise ConfigError("tensor_parallel_size=auto is chosen when the model is built: build or wrap the model with "
+                          "this plugin before asking for its mesh")
     devices = device_count()
     shape, axes = mesh_layout(devices, plugin.replica_size, plugin.tensor_parallel_size)
     mesh = xs.get_global_mesh()

@@ -360,6 +360,9 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
     the global batch is ``batch_size * chips / T``). Nothing is materialized: the model is a meta skeleton.
     """
     slc = parse_slice(tpu)
+    auto = plugin.tensor_parallel_size == "auto"
+    if auto:  # planned as FSDP alone first; the proposed size is then the plan
+        plugin = dataclasses.replace(plugin, tensor_parallel_size=1)
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer={optimizer!r} is not valid; allowed values: {', '.join(OPTIMIZERS)}")
     if batch_size < 1:
@@ -382,9 +385,13 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
     if plugin.version == 2 and plugin.tensor_parallel_size == 1:
         tensor = smallest_tensor_parallel(plugin, slc, chip)
         if not fits and tensor["size"] is not None:
-            sized = dataclasses.replace(plugin, tensor_parallel_size=tensor["size"])
-            suggestions.insert(0, {"change": f"--tensor-parallel-size {tensor['size']}", "total": chip(p=sized)["total"],
-                                   "fits": True})
+            plugin = dataclasses.replace(plugin, tensor_parallel_size=tensor["size"])
+            if auto:  # tensor_parallel_size: auto takes the planner's choice
+                here, fits, suggestions = chip(p=plugin), True, []
+            else:
+                suggestions.insert(0, {"change": f"--tensor-parallel-size {tensor['size']}",
+                                       "total": chip(p=plugin)["total"], "fits": True})
+                plugin = dataclasses.replace(plugin, tensor_parallel_size=1)
     return {
         "fits": fits,
         "model": m.class_name, "total_params": m.total_params,
@@ -431,6 +438,27 @@ def smallest_tensor_parallel(plugin: "XlaFsdpPlugin", slc: TpuSlice, chip: Any) 
             tried.append(f"{t}: {result['total'] / GIB:.2f} GiB")
         t *= 2
     return {"size": None, "why": "no tensor_parallel_size fits on this slice (" + "; ".join(tried) + ")"}
+
+
+def choose_tensor_parallel(source: Any, plugin: "XlaFsdpPlugin", devices: int, device_bytes: Optional[int]
+                           ) -> tuple[int, str]:
+    """``tensor_parallel_size: auto``: the smallest T with which training ``source`` fits ``devices`` devices of
+    ``device_bytes`` each (batch 1 per fsdp rank, the model's default sequence length, AdamW), and why."""
+    if device_bytes is None:
+        return 1, "the runtime reports no device memory limit (XLA:CPU), so FSDP alone"
+    base = dataclasses.replace(plugin, tensor_parallel_size=1)
+    m = _load_model(source, base)
+    seq = default_seq_len(m.config)
+    gen = TpuGeneration("device", device_bytes, 1, False, (devices,))
+    slc = TpuSlice(f"{devices} devices", gen, devices)
+
+    def chip(p: "XlaFsdpPlugin" = base, chips: int = devices) -> dict[str, Any]:
+        return _per_chip(m, p, chips, "adamw", 1, seq, base.activation_checkpointing, base.compute_dtype)
+
+    choice = smallest_tensor_parallel(base, slc, chip)
+    if choice["size"] is None:
+        return 1, choice["why"] + "; FSDP alone"
+    return choice["size"], choice["why"]
 
 
 def _suggestions(m: _Model, plugin: "XlaFsdpPlugin", slc: TpuSlice, batch: int, seq: int, optimizer: str, chip: Any,

@@ -71,7 +71,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["train", "resume"])
     p.add_argument("--family", default="llama")
-    p.add_argument("--tensor", type=int, default=1)
+    p.add_argument("--tensor", default="1", help="tensor_parallel_size (a number or 'auto')")
     p.add_argument("--out", default=None)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--ref", default=None)

@@ -12,7 +12,8 @@ from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
 from hf_xla_fsdp.cli import main
 from hf_xla_fsdp.engines.v2 import mesh_layout
 from hf_xla_fsdp.modeling.tensor_parallel import COLUMN, ROW, resolve_plan
-from hf_xla_fsdp.planning.tpu import plan_tpu
+from hf_xla_fsdp.planning.presets import preset_config
+from hf_xla_fsdp.planning.tpu import GIB, choose_tensor_parallel, plan_tpu
 
 
 def test_setting_arrives_from_every_source(tmp_path):
@@ -111,3 +112,23 @@ def test_planner_bad_input_exits_2_with_one_line(capsys, args, message):
     assert main(["plan", "llama-2-70b", "--tpu", "v5e-256", "--json", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_auto_takes_the_planners_choice():
+    plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, compute_dtype="bfloat16",
+                           tensor_parallel_size="auto")
+    assert plugin.tensor_parallel_size == "auto"
+    assert XlaFsdpPlugin.from_fsdp_config({"xla": True, "xla_fsdp_v2": True,
+                                           "tensor_parallel_size": "AUTO"}).tensor_parallel_size == "auto"
+    with pytest.raises(ConfigError, match="tensor_parallel_size applies to version=2 only"):
+        XlaFsdpPlugin(version=1, tensor_parallel_size="auto")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size='two' must be an integer >= 1"):
+        XlaFsdpPlugin(version=2, tensor_parallel_size="two")
+    config = preset_config("llama-2-70b")
+    assert choose_tensor_parallel(config, plugin, 256, 16 * GIB)[0] == 1  # fits alone
+    size, why = choose_tensor_parallel(config, plugin, 128, 14 * GIB)  # 15.35 GiB alone: too much
+    assert size > 1 and f"tensor_parallel_size {size} divides the gathered working set" in why
+    assert choose_tensor_parallel(config, plugin, 8, None)[0] == 1  # no memory limit known (XLA:CPU)
+    # the planner with auto: its plan is the proposed mesh
+    report = plan_tpu("llama-2-70b", plugin, "v5e-128", seq_len=4096)
+    assert report["fits"] and report["mesh"] == {"replica": 1, "fsdp": 32, "tensor": 4} and report["suggestions"] == []
