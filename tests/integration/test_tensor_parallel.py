@@ -14,6 +14,7 @@ from helpers import SCRIPTS, run_python
 
 WORKER = SCRIPTS / "tp_worker.py"
 DEVICES = 8
+FAMILIES = ("gpt2", "qwen2", "gemma", "mistral")
 
 
 def worker(*args: str, dump: Optional[Path] = None) -> dict:
@@ -131,16 +132,17 @@ def test_2d_checkpoint_consolidates_into_the_trained_model(runs):
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    """GPT-2 (Conv1D, packed c_attn, tied embeddings) and Qwen2 (GQA, q/k/v biases) on both meshes."""
+    """GPT-2 (Conv1D, packed c_attn, tied embeddings), Qwen2 (GQA, q/k/v biases), Gemma (tied, scaled embeddings)
+    and Mistral (sliding-window mask through the head-local attention) on both meshes."""
     root = tmp_path_factory.mktemp("tp_families")
     out = {(f, t): worker("train", "--family", f, "--tensor", str(t), "--out", str(root / f"{f}{t}"))
-           for f in ("gpt2", "qwen2") for t in (2, 1)}
+           for f in FAMILIES for t in (2, 1)}
     out["root"] = root
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_other_families_train_like_1d_and_consolidate(families, family):
     one, two = families[(family, 1)], families[(family, 2)]
     both = one["losses"] + one["continued"], two["losses"] + two["continued"]
@@ -155,8 +157,10 @@ def test_other_families_train_like_1d_and_consolidate(families, family):
         assert tiles(specs["transformer.h.0.attn.c_attn.weight"]) == [1, 8]
     else:
         assert tiles(specs["model.layers.0.self_attn.k_proj.weight"]) == [2, 4]
-        assert tiles(specs["model.layers.0.self_attn.k_proj.bias"]) == [8]  # follows its weight's split
         assert tiles(specs["model.layers.0.mlp.down_proj.weight"]) == [4, 2]
+        assert tiles(specs["model.embed_tokens.weight"]) == [2, 4]
+    if family == "qwen2":
+        assert tiles(specs["model.layers.0.self_attn.k_proj.bias"]) == [8]  # follows its weight's split
     assert consolidated_logits_diff(families["root"] / f"{family}2") < 1e-4
 
 

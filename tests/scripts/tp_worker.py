@@ -37,6 +37,16 @@ def config(family: str):
     """The tiny model of ``family``: hidden 64, 2 layers, 4 heads (2 KV heads where the family has GQA)."""
     if family == "gpt2":
         return tiny_gpt2(n_layer=2, vocab_size=VOCAB)
+    if family == "gemma":  # tied embeddings, scaled by sqrt(hidden)
+        from transformers import GemmaConfig
+
+        return GemmaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    if family == "mistral":  # sliding-window attention
+        from transformers import MistralConfig
+
+        return MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, sliding_window=8)
     if family == "qwen2":
         from transformers import Qwen2Config
 
