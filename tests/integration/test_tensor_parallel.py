@@ -10,7 +10,7 @@ from typing import Optional
 
 import pytest
 import torch
-from helpers import SCRIPTS, run_python
+from helpers import ROOT, SCRIPTS, run_python
 
 WORKER = SCRIPTS / "tp_worker.py"
 DEVICES = 8
@@ -184,3 +184,25 @@ def test_lora_in_bf16_on_the_2d_mesh(tmp_path):
     back = worker("resume", *flags, "--tensor", "1", "--ckpt", str(tmp_path / "t2" / "ckpt"),
                   "--ref", str(tmp_path / "t2" / "ref.safetensors"))
     assert back["differ"] == [] and back["missing"] == []  # fp32 masters restored, bf16 parameters bit-equal
+
+
+@pytest.mark.slow
+def test_stock_trainer_script_on_a_2d_mesh(tmp_path):
+    """examples/run_clm.py (the Trainer) with ``"tensor_parallel_size": 2`` in its --fsdp_config, on 4 devices."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((ROOT / "examples" / "xla_fsdp_v2_config.json").read_text())
+    (tmp_path / "fsdp.json").write_text(json.dumps({**config, "tensor_parallel_size": 2}))
+    out = tmp_path / "run"
+    res = run_python([ROOT / "examples" / "run_clm.py", "--fsdp", "--fsdp_config", tmp_path / "fsdp.json",
+                      "--max_steps", "20", "--save_steps", "10", "--logging_steps", "1", "--per_device_train_batch_size",
+                      "4", "--learning_rate", "3e-3", "--report_to", "none", "--max_eval_samples", "16", "--seed", "7",
+                      "--output_dir", out], devices=4, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    meta = json.loads((out / "checkpoint-10" / "rank-00000-of-00001.json").read_text())
+    assert meta["devices"] == 4 and meta["plugin"]["tensor_parallel_size"] == 2
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    losses = [e["loss"] for e in history if "loss" in e]
+    assert len(losses) == 20 and losses[-1] < losses[0] - 1.0  # it learns
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)  # the final save, consolidated
+    assert not info["missing_keys"] and not info["unexpected_keys"]
