@@ -263,7 +263,8 @@ def tensor_parallel_shards(m: _Model, plugin: "XlaFsdpPlugin", chips: int, tenso
     elements one chip holds once the unit is all-gathered over ``fsdp`` (its split weights stay split over tensor).
 
     The same rules as the wrap (``modeling.tensor_parallel.apply_plan``): a planned weight is split over the axes
-    its plan names; any other parameter over ``fsdp`` x ``tensor`` on its largest dim. XLA pads uneven splits (ceil).
+    its plan names; any other parameter over ``fsdp`` x ``tensor`` on its largest dim (1-D ones over ``fsdp`` only).
+    XLA pads uneven splits (ceil).
     """
     from ..modeling.tensor_parallel import TENSOR_AXIS, resolve_plan
 
@@ -281,8 +282,8 @@ def tensor_parallel_shards(m: _Model, plugin: "XlaFsdpPlugin", chips: int, tenso
             axes = plan.axes_for(name)
             if axes is None or len(axes) != len(shape):
                 split: list[Any] = [None] * len(shape)
-                if shape:
-                    split[list(shape).index(max(shape))] = ("fsdp", TENSOR_AXIS)
+                if shape:  # 1-D ones (norms, biases) over fsdp only, as the wrap does
+                    split[list(shape).index(max(shape))] = ("fsdp", TENSOR_AXIS) if len(shape) > 1 else "fsdp"
                 axes, unit = tuple(split), unit + numel
             else:
                 has_tensor = any(a == TENSOR_AXIS or (isinstance(a, tuple) and TENSOR_AXIS in a) for a in axes)
