@@ -154,6 +154,15 @@ class XlaFsdpPlugin:
                 "$HF_XLA_FSDP_COMPILATION_CACHE or ~/.cache/hf_xla_fsdp/xla_cache (skipped once this torch_xla is "
                 "known not to load it back); a path; none/false = off. Process 0 of the job writes (holding a lock "
                 "file), every other process reads only (see docs/compile-time.md)")
+    scan_layers: bool = setting(
+        False, "run the model's stack of identical decoder layers as one layer in a loop (torch_xla's scan), so XLA "
+               "compiles one layer instead of all of them. The layers' weights are stored stacked (model.layers_scanned.*); "
+               "state_dict, checkpoints and every output keep the unrolled model's names, and a checkpoint's model "
+               "weights load with or without the setting (the optimizer state only with the same setting). With "
+               "activation_checkpointing each layer's activations are recomputed inside the loop. Layers that "
+               "differ (e.g. alternating sliding-window attention) are refused (see docs/compile-time.md)",
+        refused={1: ((True,), "FSDP v1 gathers each block's flat shard in the block's own forward/backward hooks, "
+                              "which cannot run inside a scanned loop body; use version=2 (FSDP v2, SPMD)")})
     pad_to_buckets: Union[bool, int, list[int]] = setting(
         True, "XlaFsdpTrainer and XlaFsdpAccelerator's data loaders pad each batch's sequence length up to a few "
               "bucket lengths so varied text compiles a bounded number of graphs: true = powers of two from 64 up to "

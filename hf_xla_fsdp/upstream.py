@@ -111,6 +111,16 @@ RELIED_ON: tuple[Upstream, ...] = (
              "FSDP v1 units built without a full-parameter copy on the device"),
     Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
              "XlaFullyShardedDataParallel._get_shard", ("tensor",), "the reference shard layout", override=False),
+    # torch_xla: scan_layers runs its own Scan autograd function over torch_xla's scan internals (no jax needed)
+    *(Upstream("torch_xla", "scan", f"torch_xla.experimental.scan:{name}", params, "scan_layers' loop", override=False)
+      for name, params in (("value_and_grad_partitioned", ("fn", "init", "xs", "partition_fn", "is_fn_pure")),
+                           ("_scan_impl_pytree", ("fn", "init", "xs", "reverse")),
+                           ("_save_for_backward", ("ctx", "pytree")), ("_load_from_context", ("ctx",)))),
+    Upstream("torch_xla", "scan", "torch_xla.experimental.pytreeify:pytreeify", None, "scan_layers' loop",
+             override=False),
+    Upstream("torch_xla", "scan", "torch_xla.experimental.spmd_fully_sharded_data_parallel:_prepare_spmd_partition_spec",
+             ("param", "extra_data_axis", "shard_maximal"), "the FSDP v2 split of a layer's weight, for its stack",
+             override=False),
 )
 
 

@@ -62,7 +62,15 @@ def saved_optimizer(meta: dict[str, Any], model: nn.Module, optimizer: torch.opt
     saved = meta.get("optimizer")
     if not saved:
         raise CheckpointError(f"{source} has no optimizer state; load it without an optimizer")
-    if saved["param_names"] != param_names(model, optimizer, clean, stand_ins):
+    live = param_names(model, optimizer, clean, stand_ins)
+    if saved["param_names"] != live:
+        # scan_layers stores a stack of layers as one parameter named <list>_scanned.<weight>
+        scanned = [any("_scanned." in str(n) for group in names for n in group) for names in (saved["param_names"], live)]
+        if scanned[0] != scanned[1]:
+            raise CheckpointError(
+                f"{source} was saved with scan_layers={str(scanned[0]).lower()} and this run has "
+                f"scan_layers={str(scanned[1]).lower()}: the optimizer state of scanned layers is kept per stacked weight; "
+                "resume with the same scan_layers, or load the model weights only (without the optimizer)")
         raise CheckpointError(f"the optimizer's parameters (or their groups) differ from those of {source}")
     for i, (group, live) in enumerate(zip(saved["param_groups"], optimizer.param_groups)):
         # initial_lr is added by a scheduler, which may be created after the save's optimizer was

@@ -126,6 +126,13 @@ class Engine:
 
         return checkpoint_module(block)
 
+    def scan_annotations(self, plugin: "XlaFsdpPlugin", model: nn.Module) -> Any:
+        """For ``scan_layers``: a :class:`~hf_xla_fsdp.modeling.scan.ScanAnnotations` (the sharding of stacked
+        weights, their per-layer slices and the scan's output)."""
+        from ..modeling.scan import ScanAnnotations
+
+        return ScanAnnotations()
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside FSDP units (and their inner wrappers), or ``model``."""
         classes = (self.unit_class(), *self.inner_wrappers())
@@ -148,6 +155,10 @@ class Engine:
     def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
         """An XLA device loader adjusted for this engine (e.g. inputs split over every device)."""
         return loader
+
+    def like_step_output(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> None:
+        """Give ``tensor``, a value a training loop carries from step to step (e.g. the Trainer's running loss), the
+        annotation a step's outputs come back with, so the first step's graph is the one every later step runs."""
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the model's gradients to ``max_norm`` over every shard of every rank; returns the total norm."""

@@ -52,6 +52,19 @@ class MasterWeights:
         return optimizer in self._optimizers
 
     @torch.no_grad()
+    def restack(self, layers: list[torch.Tensor], stacked: nn.Parameter) -> None:
+        """``scan_layers`` moved the parameters ``layers`` into ``stacked``: their fp32 copies become one stacked
+        copy, sharded like ``stacked`` (nothing when they had none: frozen)."""
+        copies = [self._by_param.pop(id(p), None) for p in layers]
+        if any(c is None for c in copies):
+            return
+        master = torch.stack(copies)
+        _same_sharding(master, stacked)
+        gone = {id(p) for p in layers}
+        self.pairs = [(p, m) for p, m in self.pairs if id(p) not in gone] + [(stacked, master)]
+        self._by_param[id(stacked)] = master
+
+    @torch.no_grad()
     def sync_params(self) -> None:
         """Copy every fp32 value into its low-precision parameter (after a step or a restore)."""
         for param, master in self.pairs:

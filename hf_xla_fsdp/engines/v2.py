@@ -242,7 +242,30 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(t))
             master = masters.master(t) if masters is not None else None
             out[MODEL_PREFIX + clean_name(name)] = t if master is None else master
+    if masters is not None:
+        _stacked_masters(model, masters, out)
     return out
+
+
+def _stacked_masters(model: nn.Module, masters: Any, out: dict[str, torch.Tensor]) -> None:
+    """``scan_layers``: the state dict gives each layer's low-precision slice; save its fp32 copy's slice instead."""
+    import torch_xla
+
+    from ..modeling.scan import stacked_weights
+
+    slices = []
+    for param, names in stacked_weights(model):
+        master = masters.master(param)
+        if master is None:
+            continue
+        for i, name in enumerate(names):
+            key = MODEL_PREFIX + clean_name(name)
+            piece = master[i].clone()
+            _same_sharding(piece, out[key])
+            out[key] = piece
+            slices.append(piece)
+    if slices:
+        torch_xla._XLAC._xla_sync_multi(slices, devices=[], wait=True)
 
 
 def _stand_ins(model: nn.Module) -> Any:
@@ -305,6 +328,49 @@ class XlaFsdpV2(Engine):
                         buf.data = buf.data.to(plugin.buffer_dtype)
         return wrapped
 
+    def scan_annotations(self, plugin: "XlaFsdpPlugin", model: nn.Module) -> Any:
+        from ..modeling.scan import ScanAnnotations
+
+        mesh = get_mesh(plugin)
+        masters = master_weights(model)
+
+        class Annotations(ScanAnnotations):
+            def spec(self, tensor: torch.Tensor) -> Optional[tuple]:
+                from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+
+                if tensor.device.type != "xla" or not sharding_spec(tensor):
+                    return None
+                return tuple(_prepare_spmd_partition_spec(tensor, shard_maximal=True))
+
+            def mark(self, tensor: torch.Tensor, spec: tuple) -> None:
+                import torch_xla.distributed.spmd as xs
+
+                xs.mark_sharding(tensor, mesh, spec)
+
+            def output(self, tensor: torch.Tensor) -> None:
+                shard_output(tensor, mesh)
+
+            def materialize(self, tensors: list[torch.Tensor]) -> None:
+                import torch_xla
+
+                xla = [t for t in tensors if t.device.type == "xla"]
+                if xla:
+                    torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True)
+
+            def restacked(self, layers: list[torch.Tensor], stacked: nn.Parameter) -> None:
+                if masters is not None:
+                    masters.restack(layers, stacked)
+
+        return Annotations()
+
+    def like_step_output(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> None:
+        import torch_xla.distributed.spmd as xs
+
+        # an SPMD step's outputs come back annotated (a scalar: replicated); a carried tensor created unannotated
+        # would make step 2's graph differ from step 1's and compile again
+        if tensor.device.type == "xla" and not sharding_spec(tensor):
+            xs.mark_sharding(tensor, get_mesh(plugin), (None,) * tensor.dim())
+
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         attach(model, optimizer)
 
@@ -328,6 +394,13 @@ class XlaFsdpV2(Engine):
 
     def original_names(self, model: nn.Module) -> dict[str, str]:
         return {name: clean_name(name) for name, _ in model.named_parameters()}
+
+    def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
+        from ..modeling.scan import stacked_origins
+
+        stacked = stacked_origins(model)  # scan_layers: one stacked parameter holds every layer's weight
+        return {name: [clean_name(n) for n in stacked[name]] if name in stacked else [orig]
+                for name, orig in self.original_names(model).items()}
 
     # ----------------------------------------------------------------- checkpoints
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
@@ -379,12 +452,27 @@ class XlaFsdpV2(Engine):
         if missing or len(wanted) != len(saved_model):
             extra = sorted(saved_model - set(wanted))
             raise CheckpointError(f"{ckpt_dir} was saved from a different model: missing {missing[:3]}, unexpected {extra[:3]}")
+        from ..modeling.scan import stacked_weights
+
+        # scan_layers: the state dict's per-layer slices are copies; the saved layers go into the stacked parameter
+        stacked = [(param, [MODEL_PREFIX + clean_name(n) for n in names]) for param, names in stacked_weights(model)]
+        in_stacks = {n for _, names in stacked for n in names}
         with torch.no_grad():
             for name, t in wanted.items():
+                if name in in_stacks:
+                    continue
                 full = read_pieces(entries[name])
                 if tuple(full.shape) != tuple(t.shape):
                     raise CheckpointError(f"{name} is {list(full.shape)} in {ckpt_dir} but {list(t.shape)} in the model")
                 t.copy_(full)  # keeps the tensor's sharding: each device receives its slice
+            masters = master_weights(model)
+            for param, names in stacked:
+                full = torch.stack([read_pieces(entries[n]) for n in names])
+                if tuple(full.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{names[0]} and the other layers are {list(full.shape[1:])} in {ckpt_dir} but "
+                                          f"{list(param.shape[1:])} in the model")
+                master = masters.master(param) if masters is not None else None
+                (param if master is None else master).copy_(full)  # a master is copied into the parameter below
         if master_weights(model) is not None:
             master_weights(model).sync_params()
         meta = files[0].meta

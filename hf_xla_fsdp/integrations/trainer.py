@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
@@ -142,6 +143,14 @@ class XlaFsdpTrainerMixin:
         logger.warning("%s received: saved checkpoint %s at step %d and stopped training; resume with "
                        "resume_from_checkpoint=%s", session.preemption.signal_name, saved, self.state.global_step, saved)
         raise SystemExit(0)
+
+    def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """``Trainer.training_step``. The running loss ``_tr_loss`` the Trainer adds each step's loss to is made
+        before training as a plain device tensor; annotated like a step's output, step 2 runs step 1's graph."""
+        running = getattr(self, "_tr_loss", None)
+        if isinstance(running, torch.Tensor):
+            self.xla_fsdp_session.like_step_output(running)
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def _transformers_model(self) -> nn.Module:
         """The transformers model inside the FSDP wrappers and, for a PEFT model, inside peft's (whose plain

@@ -133,7 +133,23 @@ class XlaFsdpSession:
         return self.engine.wrap_block(block, self.plugin, nested)
 
     def _wrap_root(self, model: nn.Module) -> nn.Module:
-        return self.engine.wrap_root(model, self.plugin)
+        if self.plugin.scan_layers and getattr(getattr(model, "config", None), "use_cache", False):
+            model.config.use_cache = False  # a KV cache cannot live in a scan: evaluation scans too
+        wrapped = self.engine.wrap_root(model, self.plugin)
+        if self.plugin.scan_layers:
+            self._install_scan(wrapped)
+        return wrapped
+
+    def _install_scan(self, wrapped: nn.Module) -> None:
+        """Run the wrapped model's stack of identical blocks (its FSDP units) as one scanned layer."""
+        from ..modeling.scan import install
+
+        inner = self.engine.unwrap(wrapped)
+        names = set(self.plugin.transformer_layer_cls_to_wrap or getattr(inner, "_no_split_modules", None) or ())
+        blocks = [m for m in inner.modules() if m is not inner
+                  and (isinstance(m, self.engine.unit_class()) or type(self.engine.unwrap(m)).__name__ in names)]
+        install(inner, blocks, unwrap=self.engine.unwrap, remat=self.plugin.activation_checkpointing,
+                annotations=self.engine.scan_annotations(self.plugin, wrapped))
 
     @staticmethod
     def _check_not_wrapped(model: nn.Module) -> None:
@@ -172,6 +188,11 @@ class XlaFsdpSession:
         watch = shapes.RecompileWatch(self.plugin.pad_to_buckets, step=lambda: self.step_source and self.step_source(),
                                       after_compile=compile_cache.check, errors=self._pad_errors)
         return shapes.watch_loader(loader, watch)
+
+    def like_step_output(self, tensor: torch.Tensor) -> None:
+        """Annotate ``tensor``, carried by a training loop from step to step, as a step's outputs are, so the
+        training step compiles once (not again at step 2)."""
+        self.engine.like_step_output(tensor, self.plugin)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients over every shard of every rank; returns the total norm."""
