@@ -231,6 +231,11 @@ class XlaFsdpPlugin:
             self.tensor_parallel_size = "auto"  # resolved by the session once the model and devices are known
         else:
             self.tensor_parallel_size = parse_int(self.tensor_parallel_size, "tensor_parallel_size", 1)
+        if self.scan_layers and self.tensor_parallel_size != 1:
+            # scan stacks each weight over the layers and shards the stack over fsdp only: the tensor split and
+            # the head-local attention would be silently lost
+            raise ConfigError(f"scan_layers and tensor_parallel_size={self.tensor_parallel_size} cannot be combined yet "
+                              "(scanned layers are stacked and sharded over fsdp only); turn one of them off")
         group = (self.sharding_groups, self.sharding_rank, self.sharding_world_size)
         if any(v is not None for v in group) and not all(v is not None for v in group):
             raise ConfigError(

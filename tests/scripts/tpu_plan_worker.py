@@ -1,6 +1,7 @@
 """Bytes each XLA device really holds for FSDP v2 (SPMD): parameters, gradients and AdamW state of a tiny Llama.
 
-Started by tests/unit/test_tpu_plan.py as ``python tests/scripts/tpu_plan_worker.py CONFIG_JSON [TENSOR_PARALLEL_SIZE]`` with CPU_NUM_DEVICES set
+Started by tests/unit/test_tpu_plan.py as ``python tests/scripts/tpu_plan_worker.py CONFIG_JSON [TENSOR_PARALLEL_SIZE]``
+with CPU_NUM_DEVICES set
 (SPMD and the device count are fixed per process); prints one JSON line.
 """
 

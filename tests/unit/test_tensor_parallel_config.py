@@ -37,6 +37,7 @@ def test_setting_arrives_from_every_source(tmp_path):
     (dict(version=2, tensor_parallel_plan={"q_proj.weight": ["tensor", "model"]}), "names mesh axis 'model'; allowed"),
     (dict(version=2, tensor_parallel_plan={"re:q_proj[": [None]}), "is not a valid regex"),
     (dict(version=2, tensor_parallel_plan=["q_proj"]), "tensor_parallel_plan must be a mapping"),
+    (dict(version=2, tensor_parallel_size=2, scan_layers=True), "scan_layers and tensor_parallel_size=2 cannot be combined"),
 ])
 def test_bad_settings_are_one_line(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")) as err:
