@@ -1,10 +1,11 @@
-"""FSDP v2 on a 1D mesh (fsdp 8) against a 2D mesh (fsdp 4 x tensor 2), same Llama, data, init and AdamW, in ONE
-process on 8 XLA:CPU devices (``CPU_NUM_DEVICES=8``; set here when unset):
+"""FSDP v2 on a 1D mesh (fsdp 8) against a 2D mesh (fsdp 4 x tensor 2), same Llama, data, init and AdamW, each in
+its own child process on 8 XLA:CPU devices (``CPU_NUM_DEVICES=8``), in the same run:
 
     python benchmarks/mesh2d.py --steps 12 --warmup 4
 
 Per mesh: the losses, the steady step time (median after warm-up, steps read with ``.item()`` so synchronous), XLA
-compilations after warm-up (target 0) and parameter bytes per device. Prints ONE JSON with both and their ratios.
+compilations after warm-up (target 0), parameter bytes per device and the child's peak RSS. Prints ONE JSON with
+both and their ratios.
 
 What it does NOT say about TPUs: the 8 "devices" are threads of a 2-core CPU sharing one memory, so collectives are
 memcpys and step time measures XLA:CPU's partitioned compute plus its runtime overhead, not ICI bandwidth, overlap
@@ -15,18 +16,17 @@ all-reduces of activations per block) has to be measured there. The per-device p
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("CPU_NUM_DEVICES", "8")
-os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import emit  # noqa: E402
+from _harness import emit, run_json_child, vm_hwm_bytes  # noqa: E402
+
+DEVICES = 8
 
 MODEL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
@@ -70,19 +70,25 @@ def run(tensor: int, steps: int, warmup: int, batch: int, seq: int) -> dict[str,
     return {"mesh": dict(zip(mesh.axis_names, mesh.mesh_shape)), "losses": losses,
             "steady_step_s": statistics.median(times[warmup:]), "compiles_after_warmup": compile_count() - compiled,
             "param_bytes_per_device": max(per_device.values()),
-            "param_bytes_total": sum(p.numel() * p.element_size() for p in model.parameters())}
+            "param_bytes_total": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "peak_rss_mib": round(vm_hwm_bytes() / 2**20, 1)}
 
 
 def main() -> None:
-    """Both meshes, one JSON."""
-    p = argparse.ArgumentParser()
+    """As a child run one mesh; as the parent run both and print the comparison."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)  # tensor_parallel_size of this child
     args = p.parse_args()
-    one = run(1, args.steps, args.warmup, args.batch, args.seq)
-    two = run(2, args.steps, args.warmup, args.batch, args.seq)
+    if args.child is not None:
+        emit(run(args.child, args.steps, args.warmup, args.batch, args.seq))
+        return
+    one, two = (run_json_child([__file__, "--child", t, "--steps", args.steps, "--warmup", args.warmup, "--batch",
+                                args.batch, "--seq", args.seq], name=f"tensor_parallel_size={t}",
+                               env={"CPU_NUM_DEVICES": str(DEVICES)}) for t in (1, 2))
     emit({"model": MODEL, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
           "fsdp8": one, "fsdp4_tensor2": two,
           "compare": {"max_abs_loss_diff": max(abs(a - b) for a, b in zip(one["losses"], two["losses"])),
