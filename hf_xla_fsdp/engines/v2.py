@@ -113,7 +113,8 @@ def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
 
 def tensor_parallel(module: nn.Module, plugin: "XlaFsdpPlugin", mesh: Any) -> nn.Module:
     """``module`` on the XLA device with the weights its family's plan (or ``tensor_parallel_plan``) names split
-    over the ``tensor`` axis, before ``SpmdFullyShardedDataParallel`` shards the rest over ``fsdp`` only."""
+    over the ``tensor`` axis and every other parameter sharded as plain FSDP (see ``modeling.tensor_parallel``), so
+    ``SpmdFullyShardedDataParallel``, which skips sharded parameters, only adds its hooks and output annotation."""
     from ..modeling.tensor_parallel import apply_plan, find_config, resolve_plan
     from ..runtime import xla_device
 

@@ -6,13 +6,14 @@ input dim over ``tensor``) and the MLP likewise (gate/up column, down row), Mega
 one all-reduce over ``tensor`` after attention and one after the MLP. Every split weight keeps FSDP sharding
 over ``fsdp`` on its other dim (``q_proj.weight``: ``("tensor", "fsdp")``); parameters no plan names (norms,
 position embeddings, GPT-2's attention, LoRA adapters) are sharded as plain FSDP over ``fsdp`` and ``tensor``
-together, so every device holds 1/N of the model as on a 1D mesh.
+together (1-D ones over ``fsdp`` only), so every device holds about 1/N of the model as on a 1D mesh. Attention
+of a model whose q_proj is split runs through :func:`head_local_attention`, which keeps each device on its heads.
 
 A plan is a plain mapping ``{pattern: axes}``: ``axes`` holds one entry per dim of the weight (a mesh axis name,
 a list of them, or None); ``pattern`` is a glob matched against the parameter's name or any dotted suffix of it
 (``mlp.down_proj.weight`` matches ``model.layers.3.mlp.down_proj.weight``), or ``re:<regex>`` searched in it.
 Names are those inside the FSDP unit being wrapped (``self_attn.q_proj.weight`` for a decoder block), with PEFT's
-``.base_layer`` removed; LoRA's ``lora_A``/``lora_B`` match no family plan and stay ``fsdp``-only, which is
+``.base_layer`` removed; LoRA's ``lora_A``/``lora_B`` match no family plan and stay plain FSDP, which is
 correct (XLA inserts what their products need) though not tensor-parallel.
 
 This module imports no torch_xla at import time: the planner uses :func:`resolve_plan` on meta skeletons.
@@ -254,8 +255,9 @@ def head_local_attention(module: nn.Module, query: Any, key: Any, value: Any, at
 def apply_plan(module: nn.Module, plan: TensorPlan, mesh: Any, batch_axes: Sequence[str]) -> int:
     """Mark the planned weights of ``module`` (already on the XLA device) with their 2D sharding, and annotate
     the outputs of the split layers; returns how many weights were split. Every other parameter is sharded over
-``fsdp`` and ``tensor`` together on its largest dim (plain FSDP over all devices). Parameters sharded already
-are left alone.
+    ``fsdp`` and ``tensor`` together on its largest dim (plain FSDP over all devices; 1-D ones over ``fsdp`` only).
+    Parameters sharded already are left alone. Attention modules whose q_proj is column-split switch to
+    :func:`head_local_attention` (through their config's ``_attn_implementation``).
 
     A column-parallel layer's output is marked split over batch and over ``tensor`` on its last dim (so attention
     runs on the local heads, the MLP on the local intermediate slice); a row-parallel layer's output is marked split
