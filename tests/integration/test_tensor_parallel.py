@@ -206,3 +206,17 @@ def test_stock_trainer_script_on_a_2d_mesh(tmp_path):
     assert len(losses) == 20 and losses[-1] < losses[0] - 1.0  # it learns
     _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)  # the final save, consolidated
     assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+@pytest.mark.slow
+def test_hybrid_replica_fsdp_tensor_mesh(runs, tmp_path):
+    """replica 2 x fsdp 2 x tensor 2: trains like fsdp 8; its checkpoint (replica 0's pieces) resumes on fsdp 8."""
+    three = worker("train", "--tensor", "2", "--replicas", "2", "--out", str(tmp_path))
+    assert three["mesh"] == {"replica": 2, "fsdp": 2, "tensor": 2}
+    q = three["specs"]["model.layers.0.self_attn.q_proj.weight"]
+    assert tiles(q) == [2, 2, 2] and "last_tile_dim_replicate" in q  # split 2 x 2, replicated over replica
+    one = runs[1]
+    both = one["losses"] + one["continued"], three["losses"] + three["continued"]
+    assert max(abs(a - b) for a, b in zip(*both)) < 1e-4, both
+    back = worker("resume", "--tensor", "1", "--ckpt", str(tmp_path / "ckpt"), "--ref", str(tmp_path / "ref.safetensors"))
+    assert back["differ"] == [] and back["missing"] == []

@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("mode", choices=["train", "resume"])
     p.add_argument("--family", default="llama")
     p.add_argument("--tensor", default="1", help="tensor_parallel_size (a number or 'auto')")
+    p.add_argument("--replicas", type=int, default=1, help="replica_size")
     p.add_argument("--out", default=None)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--ref", default=None)
@@ -91,7 +92,7 @@ def main() -> None:
     import torch_xla
 
     plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, tensor_parallel_size=args.tensor,
-                           compute_dtype=args.dtype)
+                           replica_size=args.replicas, compute_dtype=args.dtype)
     torch.manual_seed(0 if args.mode == "train" else 1)  # a resumed model differs until the checkpoint loads
     peft_config = None
     if args.lora:
