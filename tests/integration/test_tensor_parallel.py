@@ -184,6 +184,17 @@ def test_lora_in_bf16_on_the_2d_mesh(tmp_path):
     back = worker("resume", *flags, "--tensor", "1", "--ckpt", str(tmp_path / "t2" / "ckpt"),
                   "--ref", str(tmp_path / "t2" / "ref.safetensors"))
     assert back["differ"] == [] and back["missing"] == []  # fp32 masters restored, bf16 parameters bit-equal
+    # the CLI writes peft's adapter files from the 2D checkpoint: the fp32 masters, which round to the trained weights
+    from safetensors.torch import load_file
+
+    from hf_xla_fsdp.cli import main
+
+    assert main(["consolidate", str(tmp_path / "t2" / "ckpt"), "--output", str(tmp_path / "adapter"), "--quiet"]) == 0
+    adapter, trained = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")), load_file(
+        str(tmp_path / "t2" / "ref.safetensors"))
+    assert len(adapter) == 12  # A and B of q_proj, v_proj, down_proj in 2 layers
+    for name, value in adapter.items():
+        assert torch.equal(value.to(torch.bfloat16), trained[re.sub(r"(lora_[AB])\.weight", r"\1.default.weight", name)])
 
 
 @pytest.mark.slow
