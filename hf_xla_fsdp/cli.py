@@ -34,6 +34,8 @@ def _plan_plugin(args: argparse.Namespace) -> XlaFsdpPlugin:
         changes["compute_dtype"] = None if args.compute_dtype == "float32" else args.compute_dtype
     if args.engine_version is not None:
         changes["version"] = args.engine_version
+    if args.tensor_parallel_size is not None:
+        changes["tensor_parallel_size"] = args.tensor_parallel_size
     return dataclasses.replace(plugin, **changes) if changes else plugin
 
 
@@ -283,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", "--compute_dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--version", "--fsdp-version", dest="engine_version", type=int, default=None,
                    choices=[1, 2], help="FSDP engine: 1 (XlaFullyShardedDataParallel) or 2 (SPMD)")
+    p.add_argument("--tensor-parallel-size", "--tensor_parallel_size", type=int, default=None,
+                   help="with --tpu, FSDP v2: split blocks over T chips (a replica x fsdp x tensor mesh); without it "
+                        "the plan proposes the smallest T that fits")
     p.add_argument("--json", action="store_true", help="with --tpu: one JSON object (top level has 'fits')")
     p.add_argument("--fsdp_config", "--fsdp-config", help="transformers-style fsdp_config JSON")
     p.add_argument("--accelerate_config", "--accelerate-config", help="accelerate YAML with an fsdp_config: mapping")

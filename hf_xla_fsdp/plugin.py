@@ -23,6 +23,7 @@ import torch
 
 from .config.keys import normalize, read_accelerate_yaml, read_settings_file
 from .errors import ConfigError
+from .modeling.tensor_parallel import parse_plan
 from .settings import check_size, parse_bool, parse_buckets, parse_cache_dir, parse_dtype, parse_int
 
 if TYPE_CHECKING:  # keep torch_xla and transformers out of the import path of config-only users
@@ -116,6 +117,18 @@ class XlaFsdpPlugin:
     replica_size: int = setting(1, "FSDP v2: devices form a (replica_size, N / replica_size) mesh; parameters are "
                                    "split over the second axis and replicated over the first (hybrid when > 1)",
                                 minimum=1)
+    tensor_parallel_size: Union[int, str] = setting(
+        1, "FSDP v2: devices form a (replica_size, fsdp, T) mesh with fsdp = devices / (replica_size x T); inside each "
+           "block attention is split by heads and the MLP by its intermediate dim over the T devices (and the "
+           "vocabulary, when T divides it), every split weight still sharded over fsdp on its other dim. The split "
+           "follows the model family's plan (llama, mistral, gemma, qwen2, gpt2) or tensor_parallel_plan "
+           "(see docs/fsdp-v2.md). 'auto': when the model is built, the planner's smallest T whose per-device "
+           "memory fits the devices' memory (batch 1, the model's sequence length; 1 when the runtime reports no "
+           "memory limit, as XLA:CPU)", engines=(2,), minimum=1)
+    tensor_parallel_plan: Optional[dict[str, Any]] = setting(
+        None, "FSDP v2 with tensor_parallel_size > 1: {param-name glob or 're:regex': axes} replacing the family's "
+              "plan; axes has one entry per weight dim: a mesh axis ('replica', 'fsdp', 'tensor'), a list of them or "
+              "null, e.g. {'q_proj.weight': ['tensor', 'fsdp'], 'o_proj.weight': ['fsdp', 'tensor']}", engines=(2,))
     checkpoint_format: str = setting("sharded", "what a training checkpoint (the Trainer's checkpoint-N, accelerate's "
                                                 "save_state) holds: 'sharded' (rank files) or 'sharded+consolidated' "
                                                 "(also a from_pretrained-ready copy)")
@@ -213,6 +226,16 @@ class XlaFsdpPlugin:
             owners = sorted({v for f in dataclasses.fields(self) if f.name in changed for v in f.metadata["engines"]})
             raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
                               f"{' or '.join(f'version={v}' for v in owners)} only; remove it for version={self.version}")
+        self.tensor_parallel_plan = parse_plan(self.tensor_parallel_plan)
+        if str(self.tensor_parallel_size).strip().lower() == "auto":
+            self.tensor_parallel_size = "auto"  # resolved by the session once the model and devices are known
+        else:
+            self.tensor_parallel_size = parse_int(self.tensor_parallel_size, "tensor_parallel_size", 1)
+        if self.scan_layers and self.tensor_parallel_size != 1:
+            # scan stacks each weight over the layers and shards the stack over fsdp only: the tensor split and
+            # the head-local attention would be silently lost
+            raise ConfigError(f"scan_layers and tensor_parallel_size={self.tensor_parallel_size} cannot be combined yet "
+                              "(scanned layers are stacked and sharded over fsdp only); turn one of them off")
         group = (self.sharding_groups, self.sharding_rank, self.sharding_world_size)
         if any(v is not None for v in group) and not all(v is not None for v in group):
             raise ConfigError(

@@ -67,6 +67,18 @@ def device_count() -> int:
     return xr.global_runtime_device_count()
 
 
+def device_memory_bytes() -> Optional[int]:
+    """Memory of one XLA device as the runtime reports it (``bytes_limit``), None when it reports none (XLA:CPU)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    try:
+        limit = xm.get_memory_info(torch_xla.device()).get("bytes_limit")
+    except RuntimeError:  # "GetAllocatorStats is not supported" on XLA:CPU
+        return None
+    return int(limit) if limit else None
+
+
 def is_spmd() -> bool:
     """True once this process runs in SPMD mode (one process drives every local device)."""
     import torch_xla.runtime as xr

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
 FSDP_AXIS = "fsdp"
+TENSOR_AXIS = "tensor"
 REPLICA_AXIS = "replica"
 BATCH_AXES = (REPLICA_AXIS, FSDP_AXIS)  # the batch is split over every device
 WRAPPER_PREFIX = "_orig_module."
@@ -76,22 +77,55 @@ def spmd_class() -> type:
     return SpmdFullyShardedDataParallel
 
 
+def mesh_layout(devices: int, replicas: int, tensor: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Shape and axis names of the mesh over ``devices``: ``(replica, fsdp)``, plus ``tensor`` when ``tensor`` > 1."""
+    if devices % (replicas * tensor):
+        what = f"replica_size={replicas}" + (f" x tensor_parallel_size={tensor} = {replicas * tensor}" if tensor > 1 else "")
+        raise ConfigError(f"{what} does not divide the {devices} devices; choose sizes whose product divides {devices}")
+    shape: tuple[int, ...] = (replicas, devices // (replicas * tensor))
+    axes: tuple[str, ...] = (REPLICA_AXIS, FSDP_AXIS)
+    if tensor > 1:
+        shape, axes = shape + (tensor,), axes + (TENSOR_AXIS,)
+    return shape, axes
+
+
 def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
-    """The ``(replica, fsdp)`` mesh over every device, made once per process and set as the global mesh."""
+    """The device mesh over every device, made once per process and set as the global mesh.
+
+    ``(replica, fsdp)``; with ``tensor_parallel_size`` T > 1, ``(replica, fsdp, tensor)``, the tensor axis innermost
+    so that each tensor-parallel group is neighbouring devices (the closest chips on a TPU slice).
+    """
     import numpy as np
     import torch_xla.distributed.spmd as xs
 
     enable_spmd()
+    if plugin.tensor_parallel_size == "auto":
+        raise ConfigError("tensor_parallel_size=auto is chosen when the model is built: build or wrap the model with "
+                          "this plugin before asking for its mesh")
     devices = device_count()
-    replicas = plugin.replica_size
-    if devices % replicas:
-        raise ConfigError(f"replica_size={replicas} does not divide the {devices} devices")
-    shape = (replicas, devices // replicas)
+    shape, axes = mesh_layout(devices, plugin.replica_size, plugin.tensor_parallel_size)
     mesh = xs.get_global_mesh()
-    if mesh is None or tuple(mesh.mesh_shape) != shape or tuple(mesh.axis_names) != (REPLICA_AXIS, FSDP_AXIS):
-        mesh = xs.Mesh(np.arange(devices), shape, (REPLICA_AXIS, FSDP_AXIS))
+    if mesh is None or tuple(mesh.mesh_shape) != shape or tuple(mesh.axis_names) != axes:
+        mesh = xs.Mesh(np.arange(devices), shape, axes)
         xs.set_global_mesh(mesh)
     return mesh
+
+
+def tensor_parallel(module: nn.Module, plugin: "XlaFsdpPlugin", mesh: Any) -> nn.Module:
+    """``module`` on the XLA device with the weights its family's plan (or ``tensor_parallel_plan``) names split
+    over the ``tensor`` axis and every other parameter sharded as plain FSDP (see ``modeling.tensor_parallel``), so
+    ``SpmdFullyShardedDataParallel``, which skips sharded parameters, only adds its hooks and output annotation."""
+    from ..modeling.tensor_parallel import apply_plan, find_config, resolve_plan
+    from ..runtime import xla_device
+
+    config = find_config(module)
+    if plugin.tensor_parallel_plan is None and config is None:
+        raise ConfigError(f"tensor_parallel_size={plugin.tensor_parallel_size}: {type(module).__name__} carries no "
+                          "transformers config to pick a plan from; give tensor_parallel_plan {param-name glob: axes}")
+    plan = resolve_plan(config, plugin.tensor_parallel_size, plugin.tensor_parallel_plan)
+    module.to(xla_device())
+    apply_plan(module, plan, mesh, BATCH_AXES)
+    return module
 
 
 def input_sharding(mesh: Any) -> Any:
@@ -266,7 +300,10 @@ class XlaFsdpV2(Engine):
         return spmd_class()
 
     def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
-        return spmd_class()(block, mesh=get_mesh(plugin), shard_output=shard_output)
+        mesh = get_mesh(plugin)
+        if plugin.tensor_parallel_size > 1:
+            block = tensor_parallel(block, plugin, mesh)
+        return spmd_class()(block, mesh=mesh, shard_output=shard_output)
 
     def make_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         from ..runtime import xla_device
@@ -276,7 +313,10 @@ class XlaFsdpV2(Engine):
         model.to(xla_device())
         if hasattr(model, "tie_weights"):
             model.tie_weights()
-        wrapped = spmd_class()(model, mesh=get_mesh(plugin), shard_output=shard_output)
+        mesh = get_mesh(plugin)
+        if plugin.tensor_parallel_size > 1:  # embeddings / LM head (and blocks of a root-only wrap)
+            tensor_parallel(model, plugin, mesh)
+        wrapped = spmd_class()(model, mesh=mesh, shard_output=shard_output)
         if plugin.compute_dtype not in (None, torch.float32):
             cast_parameters(wrapped, plugin.compute_dtype)
             # SDPA's math path (the one XLA runs) would otherwise upcast q/k/v and its attention matrix

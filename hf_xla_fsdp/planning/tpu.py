@@ -7,6 +7,7 @@ Estimates (labelled so everywhere): the gathered working set during a step and t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -164,8 +165,8 @@ def default_seq_len(config: Any) -> int:
     return min(int(getattr(config, "max_position_embeddings", None) or 2048), 2048)
 
 
-def activation_bytes(config: Any, batch: int, seq: int, elem: int, checkpointing: bool, num_labels: int = 0
-                     ) -> dict[str, int]:
+def activation_bytes(config: Any, batch: int, seq: int, elem: int, checkpointing: bool, num_labels: int = 0,
+                     tensor: int = 1) -> dict[str, int]:
     """ESTIMATE of the activations a training step keeps for backward, per chip (``batch`` samples of ``seq``).
 
     Per layer, the tensors autograd saves in a standard pre-norm block (after Korthikanti et al. 2022,
@@ -174,14 +175,19 @@ def activation_bytes(config: Any, batch: int, seq: int, elem: int, checkpointing
     materializes them), the attention output, the MLP's up/gate projections and activation. With
     activation checkpointing only each block's input is kept, plus one block's activations during its
     recomputation. Plus the logits and their fp32 copy for the loss (causal LMs).
+
+    With tensor parallelism over ``tensor`` chips, ``batch`` samples are shared by those chips: the tensors inside
+    attention and the MLP (Q, K, V, probabilities, attention output, MLP projections) and the logits are split over
+    them; block inputs and norms are not (assumes the Llama-style plan, where attention and MLP are both split).
     """
     d = _dims(config)
     h, kv, inter = d["hidden"], d["hidden"] * d["kv_heads"] // d["heads"], d["inter"]
     tokens = batch * seq
-    per_layer_elems = tokens * (4 * h + 2 * h + 2 * kv + (3 if d["gated"] else 2) * inter) + batch * d["heads"] * seq * seq
+    split = tokens * (2 * h + 2 * kv + (3 if d["gated"] else 2) * inter) + batch * d["heads"] * seq * seq
+    per_layer_elems = tokens * 4 * h + -(-split // tensor)
     per_layer = per_layer_elems * elem
     outputs = d["vocab"] if d["vocab"] else num_labels
-    logits = (batch * (seq if d["vocab"] else 1)) * outputs * (elem + 4 + 4)  # logits, fp32 upcast, its gradient
+    logits = -(-(batch * (seq if d["vocab"] else 1)) * outputs * (elem + 4 + 4) // tensor)  # logits, fp32 upcast, grad
     full = d["layers"] * per_layer + logits
     ckpt = d["layers"] * tokens * h * elem + per_layer + logits
     return {"without_checkpointing": full, "with_checkpointing": ckpt,
@@ -225,6 +231,7 @@ class _Model:
     units: list[tuple[str, list[tuple[int, tuple[int, ...]]]]]  # unit name -> (numel, shape) of its own parameters
     buffer_bytes: int
     total_params: int
+    names: list[list[str]] = dataclasses.field(default_factory=list)  # per unit: its parameters' names within it
 
 
 def _load_model(source: Any, plugin: "XlaFsdpPlugin") -> _Model:
@@ -237,8 +244,54 @@ def _load_model(source: Any, plugin: "XlaFsdpPlugin") -> _Model:
     blocks = plan_blocks(model, plugin).units
     units = [(name or "<root>", [(p.numel(), tuple(p.shape)) for p in params])
              for name, params in unit_params(model, blocks).items()]
+    # the names a unit's wrap sees (relative to the unit), in unit_params' order: tensor-parallel plans match them
+    seen: set[int] = set()
+    names: list[list[str]] = []
+    for name in [*blocks, ""]:
+        names.append([])
+        for pname, p in (model.get_submodule(name) if name else model).named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                names[-1].append(pname)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return _Model(src.config, type(model).__name__, units, buffers, sum(n for _, ps in units for n, _ in ps))
+    return _Model(src.config, type(model).__name__, units, buffers, sum(n for _, ps in units for n, _ in ps), names)
+
+
+def tensor_parallel_shards(m: _Model, plugin: "XlaFsdpPlugin", chips: int, tensor: int
+                           ) -> tuple[list[tuple[int, ...]], list[int]]:
+    """FSDP v2 on a ``(replica, fsdp, tensor)`` mesh: the piece shape of every parameter on one chip, and per unit the
+    elements one chip holds once the unit is all-gathered over ``fsdp`` (its split weights stay split over tensor).
+
+    The same rules as the wrap (``modeling.tensor_parallel.apply_plan``): a planned weight is split over the axes
+    its plan names; any other parameter over ``fsdp`` x ``tensor`` on its largest dim (1-D ones over ``fsdp`` only).
+    XLA pads uneven splits (ceil).
+    """
+    from ..modeling.tensor_parallel import TENSOR_AXIS, resolve_plan
+
+    replicas = plugin.replica_size
+    if chips % (replicas * tensor):
+        raise ConfigError(f"replica_size={replicas} x tensor_parallel_size={tensor} = {replicas * tensor} does not divide "
+                          f"the {chips} chips; choose sizes whose product divides {chips}")
+    sizes = {"replica": replicas, "fsdp": chips // (replicas * tensor), TENSOR_AXIS: tensor}
+    plan = resolve_plan(m.config, tensor, plugin.tensor_parallel_plan)
+    shapes: list[tuple[int, ...]] = []
+    gathered: list[int] = []
+    for (_, params), names in zip(m.units, m.names):
+        unit = 0
+        for (numel, shape), name in zip(params, names):
+            axes = plan.axes_for(name)
+            if axes is None or len(axes) != len(shape):
+                split: list[Any] = [None] * len(shape)
+                if shape:  # 1-D ones (norms, biases) over fsdp only, as the wrap does
+                    split[list(shape).index(max(shape))] = ("fsdp", TENSOR_AXIS) if len(shape) > 1 else "fsdp"
+                axes, unit = tuple(split), unit + numel
+            else:
+                has_tensor = any(a == TENSOR_AXIS or (isinstance(a, tuple) and TENSOR_AXIS in a) for a in axes)
+                unit += numel // tensor if has_tensor else numel
+            shapes.append(tuple(math.ceil(d / math.prod(sizes[a] for a in ((ax,) if isinstance(ax, str) else ax or ())))
+                                for d, ax in zip(shape, axes)))
+        gathered.append(unit)
+    return shapes, gathered
 
 
 def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, batch: int, seq: int,
@@ -250,12 +303,15 @@ def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, ba
         shard_shapes = [s for unit in by_unit for s in unit]
         # the all-gather output: every rank's padded shard
         gathered_unit = [chips * sum(math.prod(s) for s in unit) for unit in by_unit]
+    elif plugin.tensor_parallel_size > 1:
+        shard_shapes, gathered_unit = tensor_parallel_shards(m, plugin, chips, plugin.tensor_parallel_size)
     else:
         fsdp = chips // plugin.replica_size
         if fsdp < 1 or chips % plugin.replica_size:
             raise ConfigError(f"replica_size={plugin.replica_size} does not divide the {chips} chips")
         shard_shapes = v2_shard_shapes([s for _, ps in m.units for _, s in ps], fsdp)
         gathered_unit = [sum(n for n, _ in ps) for _, ps in m.units]
+    tensor = plugin.tensor_parallel_size if version == 2 else 1
     elem = _dtype_size(compute)
     params = 4 * sum(math.prod(s) for s in shard_shapes)
     optim = 4 * optimizer_numels(optimizer, shard_shapes)
@@ -271,12 +327,15 @@ def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, ba
         gathered = 2 * root * elem
     else:
         gathered = (root if root_kept else 0) * elem + 2 * max(nested + ([root] if not root_kept else [])) * elem
-    acts = activation_bytes(m.config, batch, seq, elem, checkpointing, getattr(m.config, "num_labels", 0) or 0)
+    acts = activation_bytes(m.config, batch, seq, elem, checkpointing, getattr(m.config, "num_labels", 0) or 0,
+                            tensor=tensor)
     buffers = m.buffer_bytes  # replicated on every chip (cast to buffer_dtype: counted in fp32, an upper bound)
     exact = params + params + optim + buffers
     total = exact + gathered + acts["used"]
+    mesh = ({"replica": plugin.replica_size, "fsdp": chips // (plugin.replica_size * tensor), "tensor": tensor}
+            if version == 2 else None)
     return {
-        "chips": chips,
+        "chips": chips, "mesh": mesh,
         "parameters": params, "gradients": params, "optimizer_state": optim, "buffers": buffers,
         "largest_unit": {"unit": names[largest], "gathered_bytes": gathered_unit[largest] * elem},
         "estimate_gathered_working_set": gathered,
@@ -298,9 +357,13 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
              optimizer: str = "adamw") -> dict[str, Any]:
     """Per-chip memory of training ``source`` with ``plugin`` on the slice ``tpu``, and whether it fits.
 
-    ``batch_size`` is per chip. Nothing is materialized: the model is a meta skeleton.
+    ``batch_size`` is per chip; with ``tensor_parallel_size`` T > 1, per group of T chips (they share each sample:
+    the global batch is ``batch_size * chips / T``). Nothing is materialized: the model is a meta skeleton.
     """
     slc = parse_slice(tpu)
+    auto = plugin.tensor_parallel_size == "auto"
+    if auto:  # planned as FSDP alone first; the proposed size is then the plan
+        plugin = dataclasses.replace(plugin, tensor_parallel_size=1)
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer={optimizer!r} is not valid; allowed values: {', '.join(OPTIMIZERS)}")
     if batch_size < 1:
@@ -319,14 +382,28 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
     suggestions: list[dict[str, Any]] = []
     if not fits:
         suggestions = _suggestions(m, plugin, slc, batch_size, seq, optimizer, chip, source)
+    tensor = None
+    if plugin.version == 2 and plugin.tensor_parallel_size == 1:
+        tensor = smallest_tensor_parallel(plugin, slc, chip)
+        if not fits and tensor["size"] is not None:
+            plugin = dataclasses.replace(plugin, tensor_parallel_size=tensor["size"])
+            if auto:  # tensor_parallel_size: auto takes the planner's choice
+                here, fits, suggestions = chip(p=plugin), True, []
+            else:
+                suggestions.insert(0, {"change": f"--tensor-parallel-size {tensor['size']}",
+                                       "total": chip(p=plugin)["total"], "fits": True})
+                plugin = dataclasses.replace(plugin, tensor_parallel_size=1)
     return {
         "fits": fits,
         "model": m.class_name, "total_params": m.total_params,
         "tpu": {"slice": slc.name, "chips": slc.chips, "hbm_per_chip": hbm, "source": slc.generation.source},
+        "mesh": here["mesh"],
         "settings": {"version": plugin.version, "sharding": plugin.sharding, "optimizer": optimizer,
                      "batch_size_per_chip": batch_size, "seq_len": seq, "activation_checkpointing": ckpt,
                      "compute_dtype": str(compute or torch.float32).removeprefix("torch."),
-                     "flatten_parameters": plugin.flatten_parameters},
+                     "flatten_parameters": plugin.flatten_parameters,
+                     "tensor_parallel_size": plugin.tensor_parallel_size},
+        "tensor_parallel": tensor,
         "per_chip": here,
         "headroom": hbm - here["total"],
         "note": "parameters, gradients, optimizer_state, buffers and largest_unit are exact (FSDP's own padding and "
@@ -334,6 +411,55 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
                 "scheduling and fusion change the real peak)",
         "suggestions": suggestions,
     }
+
+
+def smallest_tensor_parallel(plugin: "XlaFsdpPlugin", slc: TpuSlice, chip: Any) -> dict[str, Any]:
+    """The smallest tensor_parallel_size (a power of two dividing the chips, allowed by the model's plan) with which
+    the plan fits, and why: ``{"size": T or None, "why": one line}``."""
+    base = chip()
+    if base["total"] <= slc.hbm_bytes:
+        return {"size": 1, "why": "fits with FSDP alone (tensor_parallel_size 1): no tensor parallelism needed"}
+    tried = []
+    t = 2
+    while t <= slc.chips // plugin.replica_size:
+        if slc.chips % (plugin.replica_size * t) == 0:
+            try:
+                result = chip(p=dataclasses.replace(plugin, tensor_parallel_size=t))
+            except ConfigError as err:  # e.g. heads not divisible: larger sizes are not either, for powers of two
+                tried.append(f"{t}: {err}")
+                break
+            if result["total"] <= slc.hbm_bytes:
+                g = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+                return {"size": t, "why": f"FSDP alone needs {g(base['total'])} per chip, over the {g(slc.hbm_bytes)} of "
+                                          f"HBM; tensor_parallel_size {t} divides the gathered working set by {t} "
+                                          f"({g(base['estimate_gathered_working_set'])} -> "
+                                          f"{g(result['estimate_gathered_working_set'])}) and the activations inside "
+                                          f"blocks, for {g(result['total'])} per chip; each sample is then shared "
+                                          f"by {t} chips (global batch / {t})"}
+            tried.append(f"{t}: {result['total'] / GIB:.2f} GiB")
+        t *= 2
+    return {"size": None, "why": "no tensor_parallel_size fits on this slice (" + "; ".join(tried) + ")"}
+
+
+def choose_tensor_parallel(source: Any, plugin: "XlaFsdpPlugin", devices: int, device_bytes: Optional[int]
+                           ) -> tuple[int, str]:
+    """``tensor_parallel_size: auto``: the smallest T with which training ``source`` fits ``devices`` devices of
+    ``device_bytes`` each (batch 1 per fsdp rank, the model's default sequence length, AdamW), and why."""
+    if device_bytes is None:
+        return 1, "the runtime reports no device memory limit (XLA:CPU), so FSDP alone"
+    base = dataclasses.replace(plugin, tensor_parallel_size=1)
+    m = _load_model(source, base)
+    seq = default_seq_len(m.config)
+    gen = TpuGeneration("device", device_bytes, 1, False, (devices,))
+    slc = TpuSlice(f"{devices} devices", gen, devices)
+
+    def chip(p: "XlaFsdpPlugin" = base, chips: int = devices) -> dict[str, Any]:
+        return _per_chip(m, p, chips, "adamw", 1, seq, base.activation_checkpointing, base.compute_dtype)
+
+    choice = smallest_tensor_parallel(base, slc, chip)
+    if choice["size"] is None:
+        return 1, choice["why"] + "; FSDP alone"
+    return choice["size"], choice["why"]
 
 
 def _suggestions(m: _Model, plugin: "XlaFsdpPlugin", slc: TpuSlice, batch: int, seq: int, optimizer: str, chip: Any,
@@ -390,7 +516,10 @@ def format_plan(report: dict[str, Any]) -> str:
     lines = [
         f"{report['model']} ({report['total_params'] / 1e9:.2f}B parameters) on {t['slice']}: {t['chips']} chips x "
         f"{t['hbm_per_chip'] / GIB:.0f} GiB HBM",
-        f"settings: FSDP v{s['version']} {s['sharding']}, {s['optimizer']}, batch {s['batch_size_per_chip']}/chip x "
+        *([f"mesh: replica {report['mesh']['replica']} x fsdp {report['mesh']['fsdp']} x tensor "
+           f"{report['mesh']['tensor']}"] if report.get("mesh") else []),
+        f"settings: FSDP v{s['version']} {s['sharding']}, {s['optimizer']}, batch {s['batch_size_per_chip']}/"
+        f"{'chip' if s.get('tensor_parallel_size', 1) == 1 else str(s['tensor_parallel_size']) + ' chips'} x "
         f"{s['seq_len']} tokens, compute {s['compute_dtype']}, activation checkpointing "
         f"{'on' if s['activation_checkpointing'] else 'off'}",
         "per chip:",
@@ -406,6 +535,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"  total                              {g(pc['total'])}  of {g(t['hbm_per_chip']).strip()}",
         f"fits: {'true' if report['fits'] else 'false'}",
     ]
+    if report.get("tensor_parallel"):
+        lines.append(f"tensor parallel: {report['tensor_parallel']['size']} ({report['tensor_parallel']['why']})")
     for sug in report["suggestions"]:
         total = "" if sug["total"] is None else f": {g(sug['total']).strip()} per chip, fits {str(sug['fits']).lower()}"
         lines.append(f"  try {sug['change']}{total}")

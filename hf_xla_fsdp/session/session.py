@@ -10,6 +10,7 @@ when it is made (a changed plugin makes a new session).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -21,6 +22,8 @@ from ..errors import ConfigError
 from . import compile_cache, shapes
 from .checkpoints import CheckpointManager
 from .preemption import PreemptionGuard
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -74,6 +77,7 @@ class XlaFsdpSession:
 
         src = resolve_source(source)
         self.setup_runtime()
+        self._resolve_tensor_parallel(src.config)
         if not self.plugin.meta_init:
             eager = build_eager(src, model_cls=model_cls, dtype=dtype)
             if peft_config is not None:
@@ -92,10 +96,25 @@ class XlaFsdpSession:
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
         self.setup_runtime()
+        self._resolve_tensor_parallel(getattr(model, "config", None))
         plan = plan_blocks(model, self.plugin)
         for name in plan.names:
             replace_submodule(model, name, self._wrap_block(model.get_submodule(name), plan.nested))
         return self._wrap_root(model)
+
+    def _resolve_tensor_parallel(self, config: Any) -> None:
+        """``tensor_parallel_size: auto`` becomes the planner's choice for this model and these devices (once; the
+        plugin object is updated, so every later user of it sees the same mesh)."""
+        if self.plugin.tensor_parallel_size != "auto":
+            return
+        if config is None:
+            raise ConfigError("tensor_parallel_size=auto needs a transformers model (its config) to plan; give a number")
+        from ..planning.tpu import choose_tensor_parallel
+        from ..runtime import device_count, device_memory_bytes
+
+        size, why = choose_tensor_parallel(config, self.plugin, device_count(), device_memory_bytes())
+        logger.warning("tensor_parallel_size=auto -> %d: %s", size, why)
+        self.plugin.tensor_parallel_size = size
 
     def finish_wrapping(self, model: nn.Module) -> nn.Module:
         """The model with its outer unit: wrapped whole when nothing is yet, else only the root added (after a

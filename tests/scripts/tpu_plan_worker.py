@@ -1,6 +1,7 @@
 """Bytes each XLA device really holds for FSDP v2 (SPMD): parameters, gradients and AdamW state of a tiny Llama.
 
-Started by tests/unit/test_tpu_plan.py as ``python tests/scripts/tpu_plan_worker.py CONFIG_JSON`` with CPU_NUM_DEVICES set
+Started by tests/unit/test_tpu_plan.py as ``python tests/scripts/tpu_plan_worker.py CONFIG_JSON [TENSOR_PARALLEL_SIZE]``
+with CPU_NUM_DEVICES set
 (SPMD and the device count are fixed per process); prints one JSON line.
 """
 
@@ -39,14 +40,14 @@ def main() -> None:
     from hf_xla_fsdp.engines.v2 import get_mesh, shard_batch
 
     config = tiny_llama(**json.loads(sys.argv[1]))
-    plugin = XlaFsdpPlugin(version=2)
+    plugin = XlaFsdpPlugin(version=2, tensor_parallel_size=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
     torch.manual_seed(0)
     model = plugin.build(config, progress=False)
     params = list(model.parameters())
     xm.wait_device_ops()  # shard placements can only be read once nothing is in flight
     report = {"param_bytes_per_device": per_device(params)}
     opt = torch.optim.AdamW(params, lr=1e-3)
-    ids = torch.randint(0, config.vocab_size, (4, 8))
+    ids = torch.randint(0, config.vocab_size, (8, 8))
     batch = shard_batch({"input_ids": ids.to(torch_xla.device()), "labels": ids.to(torch_xla.device())}, get_mesh(plugin))
     model(**batch).loss.backward()
     opt.step()

@@ -120,11 +120,12 @@ def test_v1_gradients_are_the_shards_after_a_real_backward():
 
 
 @pytest.mark.slow
-def test_v2_exact_parts_equal_the_spmd_shards():
-    res = run_python([WORKER, json.dumps(CONFIG)], devices=4, timeout=600)
+@pytest.mark.parametrize("devices,tensor", [(4, 1), (8, 2)])
+def test_v2_exact_parts_equal_the_spmd_shards(devices, tensor):
+    res = run_python([WORKER, json.dumps(CONFIG), str(tensor)], devices=devices, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     real = json.loads(res.stdout.strip().splitlines()[-1])
-    planned = chip_memory(tiny_llama(**CONFIG), XlaFsdpPlugin(version=2), 4, seq_len=8)
+    planned = chip_memory(tiny_llama(**CONFIG), XlaFsdpPlugin(version=2, tensor_parallel_size=tensor), devices, seq_len=8)
     assert set(real["param_bytes_per_device"].values()) == {planned["parameters"]}
     assert set(real["grad_bytes_per_device"].values()) == {planned["gradients"]}
     assert set(real["adamw_bytes_per_device"].values()) == {planned["optimizer_state"]}
