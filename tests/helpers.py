@@ -283,3 +283,20 @@ def run_ranks(n: int, args: Callable[[int], Sequence[str | os.PathLike]], *,
                 proc.kill()
                 proc.wait()
     return [RankRun(r, p.returncode, outs[r].read_text(), errs[r].read_text()) for r, p in enumerate(procs)]
+
+
+_NOT_SOURCE = {"build", "dist", "runs", "out", "site"}
+
+
+def copy_sources(dst: Path) -> Path:
+    """Copy the project's sources (what a wheel is built from) to ``dst``: no hidden top-level folders (.git,
+    .venv, .venv-oldest: gigabytes each), build outputs, the docs site or caches."""
+    import shutil
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        top = Path(directory) == ROOT
+        return {n for n in names if n == "__pycache__" or n.endswith(".egg-info")
+                or (top and (n.startswith(".") or n in _NOT_SOURCE))}
+
+    shutil.copytree(ROOT, dst, ignore=ignore)
+    return dst

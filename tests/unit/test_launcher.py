@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, USER_SCRIPTS, make_hook_venv, run_python
+from helpers import ROOT, USER_SCRIPTS, copy_sources, make_hook_venv, run_python
 
 from hf_xla_fsdp import ConfigError
 from hf_xla_fsdp.integrations.launched import launch_settings
@@ -192,8 +191,7 @@ def test_wheels_ship_the_start_up_hook(tmp_path):
     import zipfile
 
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "runs", "__pycache__",
-                                                             "*.egg-info", ".pytest_cache"))
+    copy_sources(src)
     dist = tmp_path / "dist"
     build = textwrap.dedent(f"""
         from setuptools import build_meta

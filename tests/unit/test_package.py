@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from helpers import copy_sources
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "hf_xla_fsdp"
@@ -339,15 +340,6 @@ assert not strays, "imported from outside the installed wheel: " + ", ".join(str
 sys.exit(rc)
 """
 
-_NOT_SOURCE = {".git", ".venv", "build", "dist", "runs", "out", ".pytest_cache"}
-
-
-def _ignore_non_source(directory: str, names: list[str]) -> set[str]:
-    """Build outputs, caches and VCS data are not part of what a wheel is built from."""
-    top = Path(directory) == ROOT
-    return {n for n in names if n == "__pycache__" or n.endswith(".egg-info") or (top and n in _NOT_SOURCE)}
-
-
 def _run(cmd: list[str], *, what: str, hint: str = "", **kwargs: object) -> subprocess.CompletedProcess:
     """Run ``cmd``; fail the test with its output (and ``hint``) when it exits non-zero."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kwargs)
@@ -362,7 +354,7 @@ def build_wheel(tmp: Path) -> Path:
     # a copy: setuptools keeps build/lib between builds, and a module deleted from the source
     # would still land in the next wheel built in place
     src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=_ignore_non_source)
+    copy_sources(src)
     dist = tmp / "dist"
     # --no-build-isolation builds with this interpreter's packages: pip checks that pyproject's
     # [build-system] requires are installed here instead of fetching them
