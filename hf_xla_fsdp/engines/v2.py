@@ -9,6 +9,7 @@ for every tensor, the slice each local device holds and where it sits in the ful
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -230,28 +231,40 @@ def fetch_pieces(tensor: torch.Tensor) -> list[torch.Tensor]:
             for position, start, stop in _replica0_placements(tensor)]
 
 
-def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def _materialize(tensors: list[torch.Tensor]) -> None:
+    """Compute the XLA tensors among ``tensors`` in one graph."""
+    import torch_xla
+
+    xla = [t for t in tensors if t.device.type == "xla"]
+    if xla:
+        torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True)
+
+
+def _unique_state(model: nn.Module, names_only: bool = False) -> dict[str, torch.Tensor]:
     """Saved name -> tensor of the model's state; a tied weight appears once, under its first name (as v1 does).
 
-    A low-precision parameter with an fp32 master copy is saved as that copy (exact resume).
+    A low-precision parameter with an fp32 master copy is saved as that copy (exact resume). ``names_only``: the
+    slices of ``scan_layers``' stacked weights stay lazy views (nothing copied), for a caller that needs the names.
     """
+    from ..modeling.scan import names_only as lazy_slices
+
     masters = master_weights(model)
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
+    with lazy_slices() if names_only else contextlib.nullcontext():
+        state = model.state_dict(keep_vars=True)
+    for name, t in state.items():
         if id(t) not in seen:
             seen.add(id(t))
             master = masters.master(t) if masters is not None else None
             out[MODEL_PREFIX + clean_name(name)] = t if master is None else master
-    if masters is not None:
+    if masters is not None and not names_only:
         _stacked_masters(model, masters, out)
     return out
 
 
 def _stacked_masters(model: nn.Module, masters: Any, out: dict[str, torch.Tensor]) -> None:
     """``scan_layers``: the state dict gives each layer's low-precision slice; save its fp32 copy's slice instead."""
-    import torch_xla
-
     from ..modeling.scan import stacked_weights
 
     slices = []
@@ -265,8 +278,7 @@ def _stacked_masters(model: nn.Module, masters: Any, out: dict[str, torch.Tensor
             _same_sharding(piece, out[key])
             out[key] = piece
             slices.append(piece)
-    if slices:
-        torch_xla._XLAC._xla_sync_multi(slices, devices=[], wait=True)
+    _materialize(slices)
 
 
 def _stand_ins(model: nn.Module) -> Any:
@@ -352,11 +364,7 @@ class XlaFsdpV2(Engine):
                 shard_output(tensor, mesh)
 
             def materialize(self, tensors: list[torch.Tensor]) -> None:
-                import torch_xla
-
-                xla = [t for t in tensors if t.device.type == "xla"]
-                if xla:
-                    torch_xla._XLAC._xla_sync_multi(xla, devices=[], wait=True)
+                _materialize(tensors)
 
             def restacked(self, layers: list[torch.Tensor], stacked: nn.Parameter) -> None:
                 if masters is not None:
@@ -449,7 +457,7 @@ class XlaFsdpV2(Engine):
         """
         files = [open_listed(ckpt_dir, marker, name) for name in sorted(marker["files"])]
         entries = merge_pieces(files)
-        wanted = _unique_state(model)
+        wanted = _unique_state(model, names_only=True)  # written below; the stacked ones into their stacks
         missing = [n for n in wanted if n not in entries]
         saved_model = {n for n in entries if n.startswith(MODEL_PREFIX)}
         if missing or len(wanted) != len(saved_model):
@@ -457,7 +465,7 @@ class XlaFsdpV2(Engine):
             raise CheckpointError(f"{ckpt_dir} was saved from a different model: missing {missing[:3]}, unexpected {extra[:3]}")
         from ..modeling.scan import stacked_weights
 
-        # scan_layers: the state dict's per-layer slices are copies; the saved layers go into the stacked parameter
+        # scan_layers: the per-layer slices are views of a stacked parameter; the saved layers are stacked into it
         stacked = [(param, [MODEL_PREFIX + clean_name(n) for n in names]) for param, names in stacked_weights(model)]
         in_stacks = {n for _, names in stacked for n in names}
         with torch.no_grad():

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -454,16 +455,34 @@ def _store_stacked(owner: nn.Module, attr: str, layers: nn.ModuleList, config: _
     return out
 
 
+_SLICES = threading.local()
+
+
+@contextlib.contextmanager
+def names_only() -> Iterator[None]:
+    """``state_dict()`` inside gives the layers' slices as lazy views: nothing computed or copied (for code that
+    needs the names and shapes only, e.g. a restore, which writes the stacked parameters itself)."""
+    _SLICES.lazy = True
+    try:
+        yield
+    finally:
+        _SLICES.lazy = False
+
+
 def _translate_state_dict(owner: nn.Module, stacked: _Stacked, config: _Config) -> None:
     """``owner.state_dict()`` names each layer's slice as the unrolled model would; ``load_state_dict`` stacks them."""
 
     def to_layers(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        lazy = getattr(_SLICES, "lazy", False)
         slices = []
         for rel in stacked.params:
             value = state.pop(f"{prefix}{stacked.attr}.{rel}", None)
             if value is None:
                 continue
             for i, key in enumerate(stacked.keys[rel]):
+                if lazy:
+                    state[prefix + key] = value[i]
+                    continue
                 piece = value[i].clone()  # its own tensor (a view would be synced without its sharding)
                 if stacked.specs[rel] is not None:
                     config.annotations.mark(piece, stacked.specs[rel])
