@@ -37,23 +37,52 @@ CHECKPOINT_STORAGES = ("auto", "shared", "local", "object")  # checkpoint/storag
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
 
-#: the engines ``version`` selects (``hf_xla_fsdp.engines.ENGINES`` implements each; a test keeps them equal)
-ENGINE_TITLES = {1: "FSDP v1 (XlaFullyShardedDataParallel)", 2: "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
+#: the engine keys (``XlaFsdpPlugin.engine_key``: ``version`` under ``engine="xla"``, else the engine's name) and their
+#: titles (``hf_xla_fsdp.engines.ENGINES`` implements each; a test keeps them equal)
+ENGINE_TITLES = {1: "FSDP v1 (XlaFullyShardedDataParallel)", 2: "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)",
+                 "fsdp2": "FSDP2 (torch fully_shard, DTensor)"}
+#: the values of ``engine``: the runtime each names (``xla``: torch_xla, ``version`` picks v1 or v2 inside it)
+ENGINE_CHOICES = ("xla", "fsdp2")
+#: the module each engine choice needs, and the extra that installs it (the one line when it is missing)
+ENGINE_RUNTIMES = {"xla": ("torch_xla", "xla"), "fsdp2": ("torch.distributed.fsdp", "tpu")}
 #: accelerate's ``distributed_type`` each engine runs under, and the fix when it is another
 ENGINE_LAUNCHERS = {
     1: (("XLA", "TPU"), "XLA FSDP needs distributed_type: XLA"),
     # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
     2: (("NO",), "FSDP v2 (SPMD) drives every device from one process; set distributed_type: NO and num_processes: 1 "
                  "(see examples/xla_fsdp_v2.yaml)"),
+    # torch.distributed processes (accelerate launch / torchrun / hf-xla-fsdp launch start one per device)
+    "fsdp2": (("FSDP", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "NO"),
+              "engine fsdp2 runs torch.distributed processes, not torch_xla's; set distributed_type: FSDP (or MULTI_CPU "
+              "/ MULTI_GPU, or NO for one process)"),
 }
+ALL_ENGINES = (1, 2, "fsdp2")
+XLA_ENGINES = (1, 2)
+
+
+def engine_label(key: Any) -> str:
+    """How messages name an engine key: ``version=1`` / ``version=2`` (XLA), ``engine=fsdp2``."""
+    return f"version={key}" if isinstance(key, int) else f"engine={key}"
+
+
+def default_engine() -> str:
+    """``xla`` where torch_xla is installed, ``fsdp2`` where it is not (found without importing it)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch_xla") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation counts as absent
+        found = False
+    return "xla" if found else "fsdp2"
 
 
 def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg: bool = False,
-            engines: Sequence[int] = (1, 2), minimum: int = 0,
-            refused: Optional[Mapping[int, tuple[tuple[Any, ...], str]]] = None) -> Any:
+            engines: Sequence[Any] = ALL_ENGINES, minimum: int = 0,
+            refused: Optional[Mapping[Any, tuple[tuple[Any, ...], str]]] = None) -> Any:
     """A plugin field with its one description (see the module docstring for the keys).
 
-    ``refused`` maps an engine version to the values it cannot honour and why (one line, with the fix).
+    ``engines`` are the engine keys that honour it (``1``, ``2``: XLA FSDP v1 / v2; ``"fsdp2"``); ``refused`` maps an
+    engine key to the values it cannot honour and why (one line, with the fix).
     """
     return dataclasses.field(default=default, metadata={
         "help": help, "aliases": tuple(aliases), "fsdp_kwarg": fsdp_kwarg, "engines": tuple(engines), "minimum": minimum,
@@ -61,7 +90,8 @@ def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg:
 
 
 _V1 = (1,)
-_NO_FP16_ON_V2 = {2: ((torch.float16,), "FSDP v2 has no loss scaling for float16; use bfloat16 or float32")}
+_NO_FP16 = "has no loss scaling for float16; use bfloat16 or float32"
+_NO_FP16_ON_V2 = {2: ((torch.float16,), f"FSDP v2 {_NO_FP16}"), "fsdp2": ((torch.float16,), f"engine fsdp2 {_NO_FP16}")}
 
 
 @dataclass
@@ -71,8 +101,13 @@ class XlaFsdpPlugin:
     Every field's ``help`` says what it does (``XlaFsdpPlugin.describe()`` lists them all).
     """
 
-    version: int = setting(1, "FSDP engine: 1 = XlaFullyShardedDataParallel (one process per device), "
-                              "2 = SpmdFullyShardedDataParallel (SPMD, one process drives every device)", minimum=1)
+    engine: Optional[str] = setting(
+        None, "which runtime shards: 'xla' (PyTorch/XLA; `version` picks v1 or v2) or 'fsdp2' (torch's own "
+              "fully_shard over a DeviceMesh of DTensors, one process per device: CPU/gloo, CUDA/NCCL, TorchTPU). "
+              "Default: xla where torch_xla is installed, fsdp2 where it is not (see docs/fsdp2.md)")
+    version: int = setting(1, "XLA FSDP engine (engine='xla'): 1 = XlaFullyShardedDataParallel (one process per "
+                              "device), 2 = SpmdFullyShardedDataParallel (SPMD, one process drives every device)",
+                           minimum=1, engines=XLA_ENGINES)
     transformer_layer_cls_to_wrap: Optional[list[str]] = setting(
         None, "class names of the blocks that become their own FSDP unit (default: the model's _no_split_modules)")
     min_num_params: int = setting(0, "size-based wrapping instead: every module with at least this many "
@@ -80,18 +115,22 @@ class XlaFsdpPlugin:
     sharding: str = setting("zero3", "'zero3': a unit per selected block and the root; 'zero2': the root only",
                             aliases=("sharding_strategy",))
     activation_checkpointing: bool = setting(False, "recompute each block's activations in backward "
-                                                    "(torch_xla's checkpoint_module)", aliases=("xla_fsdp_grad_ckpt",))
+                                                    "(torch_xla's checkpoint_module; fsdp2: torch.utils.checkpoint)",
+                                             aliases=("xla_fsdp_grad_ckpt",))
     meta_init: bool = setting(True, "build a model given as a config or directory on meta and materialize it "
                                     "block by block (never whole in memory)")
     # XlaFullyShardedDataParallel options, passed on unchanged
     compute_dtype: Optional[Union[str, torch.dtype]] = setting(
         None, "dtype of forward/backward compute, e.g. 'bfloat16'. v1: shards stay fp32, gathered parameters are "
               "cast; v2: parameters are stored in it and the optimizer updates fp32 master copies of the "
-              "trainable ones", fsdp_kwarg=True, refused=_NO_FP16_ON_V2)
+              "trainable ones; fsdp2: MixedPrecisionPolicy(param_dtype), fp32 shards and fp32 gradient reduction",
+        fsdp_kwarg=True, refused=_NO_FP16_ON_V2)
     buffer_dtype: Optional[Union[str, torch.dtype]] = setting(
         None, "dtype of buffers during compute", fsdp_kwarg=True, refused=_NO_FP16_ON_V2)
     fp32_reduce_scatter: bool = setting(False, "reduce-scatter gradients in fp32", fsdp_kwarg=True, engines=_V1)
-    reshard_after_forward: bool = setting(True, "free gathered parameters after forward", fsdp_kwarg=True, engines=_V1)
+    reshard_after_forward: bool = setting(True, "free gathered parameters after forward (fsdp2: false keeps each "
+                                                "block's gathered parameters until its backward, as zero2 does)",
+                                          fsdp_kwarg=True, engines=(1, "fsdp2"))
     flatten_parameters: bool = setting(False, "flatten each unit's parameters into one tensor", fsdp_kwarg=True,
                                        engines=_V1)
     execute_sharding_on_init: bool = setting(True, "run the sharding when wrapping", fsdp_kwarg=True, engines=_V1)
@@ -114,9 +153,9 @@ class XlaFsdpPlugin:
     sharding_rank: Optional[int] = setting(None, "this process's rank in its sharding group", fsdp_kwarg=True,
                                            engines=_V1)
     sharding_world_size: Optional[int] = setting(None, "size of the sharding group", fsdp_kwarg=True, engines=_V1)
-    replica_size: int = setting(1, "FSDP v2: devices form a (replica_size, N / replica_size) mesh; parameters are "
-                                   "split over the second axis and replicated over the first (hybrid when > 1)",
-                                minimum=1)
+    replica_size: int = setting(1, "FSDP v2 and fsdp2: devices form a (replica_size, N / replica_size) mesh; parameters "
+                                   "are split over the second axis and replicated over the first (hybrid, HSDP, "
+                                   "when > 1)", minimum=1)
     tensor_parallel_size: Union[int, str] = setting(
         1, "FSDP v2: devices form a (replica_size, fsdp, T) mesh with fsdp = devices / (replica_size x T); inside each "
            "block attention is split by heads and the MLP by its intermediate dim over the T devices (and the "
@@ -162,10 +201,13 @@ class XlaFsdpPlugin:
                "activation_checkpointing each layer's activations are recomputed inside the loop. Layers that "
                "differ (e.g. alternating sliding-window attention) are refused (see docs/compile-time.md)",
         refused={1: ((True,), "FSDP v1 gathers each block's flat shard in the block's own forward/backward hooks, "
-                              "which cannot run inside a scanned loop body; use version=2 (FSDP v2, SPMD)")})
+                              "which cannot run inside a scanned loop body; use version=2 (FSDP v2, SPMD)"),
+                 "fsdp2": ((True,), "scan_layers is torch_xla's scan (one compiled layer); engine fsdp2 runs eagerly "
+                                    "and has nothing to compile; remove it")})
     pad_to_buckets: Union[bool, int, list[int]] = setting(
         True, "XlaFsdpTrainer and XlaFsdpAccelerator's data loaders pad each batch's sequence length up to a few "
-              "bucket lengths so varied text compiles a bounded number of graphs: true = powers of two from 64 up to "
+              "bucket lengths so varied text compiles a bounded number of graphs (XLA engines; fsdp2 compiles no graphs "
+              "and never pads): true = powers of two from 64 up to "
               "the model's longest sequence; an int = multiples of it; a list = those lengths; false = off. "
               "input_ids get the pad token (else eos, else 0: hidden by the mask), labels -100, attention masks 0, "
               "on the tokenizer's padding side")
@@ -176,9 +218,10 @@ class XlaFsdpPlugin:
                 setattr(self, f.name, parse_bool(getattr(self, f.name), f.name))
             elif f.type == "int":
                 setattr(self, f.name, parse_int(getattr(self, f.name), f.name, f.metadata["minimum"]))
-        if self.version not in ENGINE_TITLES:
+        self._resolve_engine()
+        if self.version not in XLA_ENGINES:
             raise ConfigError(f"version={self.version!r} is not valid; allowed values: "
-                              + ", ".join(f"{v} = {title}" for v, title in sorted(ENGINE_TITLES.items())))
+                              + ", ".join(f"{v} = {ENGINE_TITLES[v]}" for v in XLA_ENGINES))
         sharding = str(self.sharding).strip().lower()
         sharding = _SHARDING_ALIASES.get(sharding, sharding)
         if sharding not in _SHARDING:
@@ -215,17 +258,20 @@ class XlaFsdpPlugin:
         check_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
         self.compute_dtype = parse_dtype(self.compute_dtype, "compute_dtype")
         self.buffer_dtype = parse_dtype(self.buffer_dtype, "buffer_dtype")
+        key = self.engine_key
         for f in dataclasses.fields(self):
-            values, why = f.metadata["refused"].get(self.version, ((), ""))
+            values, why = f.metadata["refused"].get(key, ((), ""))
             if getattr(self, f.name) in values:
                 raise ConfigError(f"{f.name}={str(getattr(self, f.name)).replace('torch.', '')} is not available with "
-                                  f"version={self.version}: {why}")
+                                  f"{engine_label(key)}: {why}")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        changed = [n for n in self.engine_only_fields(self.version) if getattr(self, n) != defaults[n]]
+        changed = [n for n in self.engine_only_fields(key) if getattr(self, n) != defaults[n]]
         if changed:
-            owners = sorted({v for f in dataclasses.fields(self) if f.name in changed for v in f.metadata["engines"]})
+            owners = [k for k in ALL_ENGINES
+                      if any(k in f.metadata["engines"] for f in dataclasses.fields(self) if f.name in changed)]
+            named = ["engine=xla"] if owners == list(XLA_ENGINES) else [engine_label(v) for v in owners]
             raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
-                              f"{' or '.join(f'version={v}' for v in owners)} only; remove it for version={self.version}")
+                              f"{' or '.join(named)} only; remove it for {engine_label(key)}")
         self.tensor_parallel_plan = parse_plan(self.tensor_parallel_plan)
         if str(self.tensor_parallel_size).strip().lower() == "auto":
             self.tensor_parallel_size = "auto"  # resolved by the session once the model and devices are known
@@ -249,6 +295,26 @@ class XlaFsdpPlugin:
                     f"sharding_rank={self.sharding_rank} must be below sharding_world_size={self.sharding_world_size}"
                 )
 
+    def _resolve_engine(self) -> None:
+        """``engine``: one of :data:`ENGINE_CHOICES`; unset, the installed runtime's (:func:`default_engine`), except
+        that settings only XLA FSDP honours (``version=2``, a v1 keyword) select ``xla`` whatever is installed."""
+        if self.engine is None:
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            xla_only = [f.name for f in dataclasses.fields(self) if "fsdp2" not in f.metadata["engines"]
+                        and getattr(self, f.name) != defaults[f.name]]
+            self.engine = "xla" if xla_only else default_engine()
+        engine = str(self.engine).strip().lower()
+        if engine not in ENGINE_CHOICES:
+            raise ConfigError(f"engine={self.engine!r} is not valid; allowed values: "
+                              + ", ".join(repr(c) for c in ENGINE_CHOICES) + " (or leave it unset)")
+        self.engine = engine
+
+    @property
+    def engine_key(self) -> Any:
+        """The key of the engine these settings select: ``version`` (1 or 2) under ``engine="xla"``, else the
+        engine's name (``"fsdp2"``); ``hf_xla_fsdp.engines.ENGINES`` holds the engine of each key."""
+        return self.version if self.engine == "xla" else self.engine
+
     # ------------------------------------------------------------------ descriptions
     @classmethod
     def field_names(cls) -> list[str]:
@@ -261,9 +327,10 @@ class XlaFsdpPlugin:
         return [f.name for f in dataclasses.fields(cls) if f.metadata["fsdp_kwarg"]]
 
     @classmethod
-    def engine_only_fields(cls, version: int) -> list[str]:
-        """Settings that the engine ``version`` does not honour (they must keep their defaults there)."""
-        return [f.name for f in dataclasses.fields(cls) if version not in f.metadata["engines"]]
+    def engine_only_fields(cls, key: Any) -> list[str]:
+        """Settings that the engine ``key`` (see :attr:`engine_key`) does not honour (they must keep their defaults
+        there)."""
+        return [f.name for f in dataclasses.fields(cls) if key not in f.metadata["engines"]]
 
     @classmethod
     def describe(cls) -> dict[str, str]:
@@ -369,7 +436,7 @@ class XlaFsdpPlugin:
     def check_launcher(self, distributed_type: Any, source: str) -> None:
         """Refuse an accelerate ``distributed_type`` the selected engine cannot run under (one line with the fix)."""
         distributed = str(distributed_type).upper()
-        allowed, why = ENGINE_LAUNCHERS[self.version]
+        allowed, why = ENGINE_LAUNCHERS[self.engine_key]
         if distributed not in allowed:
             raise ConfigError(f"distributed_type={distributed!r} in {source}: {why}")
 

@@ -57,11 +57,12 @@ def train_step(
     max_grad_norm: Optional[float] = 1.0,
     scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None,
 ) -> torch.Tensor:
-    """One optimizer step; returns the loss (an XLA tensor: read it with ``.item()`` sparingly).
+    """One optimizer step; returns the loss (on XLA a lazy tensor: read it with ``.item()`` sparingly).
 
     FSDP has already reduce-scattered the gradients in backward, so the step is a plain
     ``optimizer.step()`` and never ``xm.optimizer_step`` (which would all-reduce them again).
     """
+    from .engines import engine_of
     from .session.optimizers import prepare_optimizer
 
     prepare_optimizer(model, optimizer)  # idempotent: fp32 masters under compute_dtype, state before step 1
@@ -73,7 +74,7 @@ def train_step(
     if scheduler is not None:
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    sync()
+    engine_of(model).sync()  # XLA: run the step's graph; an eager engine: its device has finished
     return loss
 
 

@@ -300,3 +300,34 @@ def copy_sources(dst: Path) -> Path:
 
     shutil.copytree(ROOT, dst, ignore=ignore)
     return dst
+
+
+# --------------------------------------------------------------------------- engine fsdp2: torchrun processes
+#: first on PYTHONPATH, makes torch_xla unimportable (its sitecustomize): engine fsdp2's runs prove they never need it
+NO_TORCH_XLA = SCRIPTS / "no_torch_xla"
+
+
+def fsdp2_env(env: Mapping[str, str | None] | None = None, *, block_xla: bool = True) -> dict[str, str]:
+    """The environment of an engine-fsdp2 process: torch_xla unimportable (``block_xla``), transformers and accelerate
+    told not to use it, one OpenMP thread per process (several processes share the cores)."""
+    out = dict(os.environ, USE_TORCH_XLA="0", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_XLA_FSDP_COMPILATION_CACHE="none")
+    for key in ("PJRT_DEVICE", "CPU_NUM_DEVICES", "XRT_TPU_CONFIG"):
+        out.pop(key, None)
+    if block_xla:
+        out["PYTHONPATH"] = os.pathsep.join([str(NO_TORCH_XLA), *filter(None, [out.get("PYTHONPATH")])])
+    for key, value in (env or {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def torchrun(n: int, args: Sequence[str | os.PathLike], *, env: Mapping[str, str | None] | None = None,
+             block_xla: bool = True, timeout: float = 600, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node n *args`` (this interpreter's torch.distributed.run), output
+    captured, in :func:`fsdp2_env`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=fsdp2_env(env, block_xla=block_xla), capture_output=True, text=True,
+                          timeout=timeout)

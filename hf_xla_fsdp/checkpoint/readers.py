@@ -607,5 +607,28 @@ def assemble(entry: dict[str, Any], read: Callable[[str], torch.Tensor]) -> torc
 
 def read_pieces(entry: dict[str, Any]) -> torch.Tensor:
     """The full tensor of a merged pieces entry, assembled on the host from its pieces."""
-    by_key = {p["key"]: p["file"] for p in entry["pieces"]}
-    return assemble(entry, lambda key: by_key[key].get(key))
+    # a piece key is unique within its own file only (each process names its pieces #0, #1, ...): each piece is read
+    # from the file it came from, in the order assemble visits them
+    pieces = iter(entry["pieces"])
+    return assemble(entry, lambda key: next(pieces)["file"].get(key))
+
+
+def read_rows_of_pieces(entry: dict[str, Any], start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` (dim 0, every other dim whole) of the tensor of a merged pieces entry, read from only the
+    rows of each saved piece that overlap them: a process of another layout (torch FSDP2's row shards) resumes from
+    pieces cut any way (XLA FSDP v2 splits some tensors on dim 1) without assembling the full tensor."""
+    shape = list(entry["shape"])
+    out = torch.empty([stop - start, *shape[1:]], dtype=dtype_from_name(entry["dtype"]))
+    covered = 0
+    for piece in entry["pieces"]:
+        lo, hi = max(piece["start"][0], start), min(piece["stop"][0], stop)
+        if lo >= hi:
+            continue
+        rows = piece["file"].get_rows(piece["key"], lo - piece["start"][0], hi - piece["start"][0])
+        region = (slice(lo - start, hi - start), *(slice(a, b) for a, b in zip(piece["start"][1:], piece["stop"][1:])))
+        out[region] = rows
+        covered += rows.numel()
+    if covered != out.numel():
+        raise CheckpointError(f"the saved pieces of a {shape} tensor cover {covered} of the {out.numel()} elements of "
+                              f"its rows {start}:{stop}")
+    return out

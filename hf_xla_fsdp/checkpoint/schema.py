@@ -39,7 +39,7 @@ _MARKER_KEYS = ("format", "engine", "world_size", "step", "run_id", "storage", "
                 SELF_DIGEST, "gathered_from")
 _RANK_META_KEYS = ("format", "file_id", "tensor_file_bytes", "header_sha256", "checksums", "rank", "world_size",
                    "run_id", "step", "shard_metadata", "engine", "devices", "tensors", "optimizer", "scheduler", "rng",
-                   "model_config", "peft", "plugin", "extra")
+                   "model_config", "peft", "plugin", "extra", "dtensor")
 
 
 def canonical_sha256(obj: Any) -> str:
@@ -317,6 +317,12 @@ def validate_rank_meta(meta: Any, path: Union[str, Path], file_name: Optional[st
         if "devices" in meta:
             c.integer(meta["devices"], "'devices'", low=1)
         validate_pieces(c.key(meta, "tensors", "its top level"), path, "tensors")
+        if meta.get("dtensor") is not None:  # torch FSDP2's mesh and placements (informational: pieces carry offsets)
+            dtensor = c.mapping(meta["dtensor"], "'dtensor'")
+            c.known(dtensor, "'dtensor'", ("device_type", "placements", "mesh_shape", "mesh_dim_names"))
+            for name, placements in c.mapping(dtensor.get("placements") or {}, "dtensor.placements").items():
+                for i, placement in enumerate(c.seq(placements, f"dtensor.placements[{name!r}]")):
+                    c.string(placement, f"dtensor.placements[{name!r}][{i}]")
     else:
         md = c.key(meta, "shard_metadata", "its top level")
         validate_shard_metadata(md, path)

@@ -126,7 +126,7 @@ def restore_rng(meta: dict[str, Any], cpu_state: Optional[torch.Tensor], set_dev
     if "numpy" in rng:
         name, keys, pos, has_gauss, cached = rng["numpy"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "xla" in rng:
+    if rng.get("xla") is not None:  # None: saved by an engine without an XLA RNG (fsdp2)
         set_device_state(rng["xla"])
     if cpu_state is not None:
         torch.set_rng_state(cpu_state)

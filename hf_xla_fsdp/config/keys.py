@@ -64,7 +64,7 @@ def _accelerate_key(key: str, value: Any, out: dict[str, Any], source: str) -> b
     """Map one key of accelerate's torch-FSDP vocabulary onto our settings; False when ``key`` is not one of them."""
     if key in _NO_MEANING_ON_XLA:
         _note(key, value, _NO_MEANING_ON_XLA[key], source)
-    elif key == "fsdp_version":  # torch FSDP1 / FSDP2 (fully_shard); our engine is `version`
+    elif key == "fsdp_version":  # torch FSDP1 / FSDP2 (fully_shard): 2 selects engine fsdp2
         if parse_int(value, key, 1) == 2:
             out["_torch_fsdp2"] = True
         else:
@@ -105,9 +105,8 @@ def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], ali
             continue
         key = str(raw_key)
         key = key[len("fsdp_"):] if key.startswith("fsdp_") else key
-        if key == "xla":
-            if not parse_bool(value, "xla"):
-                raise ConfigError(f"xla={value!r} in {source}: hf_xla_fsdp configures XLA FSDP; set xla to true")
+        if key == "xla":  # transformers' switch for its XLA path; false is what it writes for torch's FSDP
+            out["_xla"] = (parse_bool(value, "xla"), value)
             continue
         if key == "xla_fsdp_v2":
             if parse_bool(value, "xla_fsdp_v2"):
@@ -142,10 +141,24 @@ def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], ali
     elif policy == "transformer_based_wrap" and int(out.get("min_num_params") or 0) > 0:
         raise ConfigError(f"fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP in {source} conflicts with min_num_params > 0 "
                           "(size-based wrapping); keep one of them")
-    if out.pop("_torch_fsdp2", False) and int(out.get("version", 1)) != 2:
-        raise ConfigError(f"fsdp_version=2 in {source} selects torch's FSDP2 (fully_shard), which does not run on XLA; "
-                          "remove it for XLA FSDP v1 (distributed_type: XLA), or set version: 2 with distributed_type: NO "
-                          "for XLA FSDP v2 (SPMD)")
+    xla, xla_value = out.pop("_xla", (None, None))
+    engine = str(out.get("engine") or "").strip().lower()
+    if xla is False and engine != "fsdp2":
+        raise ConfigError(f"xla={xla_value!r} in {source}: hf_xla_fsdp configures XLA FSDP; set xla to true (or "
+                          "engine: fsdp2 for torch's FSDP2)")
+    if xla and engine == "fsdp2":
+        raise ConfigError(f"xla={xla_value!r} and engine=fsdp2 in {source} disagree: xla selects PyTorch/XLA, fsdp2 "
+                          "torch's own FSDP2; keep one of them")
+    if out.pop("_torch_fsdp2", False):
+        # accelerate's FSDP2 YAML (`accelerate config`: distributed_type FSDP, fsdp_version 2) means torch's fully_shard:
+        # engine fsdp2, unless the settings name XLA FSDP v2 (a v2 config that also says fsdp_version: 2 stays v2)
+        if not xla and "version" not in out and engine in ("", "fsdp2"):
+            out["engine"] = "fsdp2"
+        elif int(out.get("version", 1)) != 2:
+            raise ConfigError(f"fsdp_version=2 in {source} selects torch's FSDP2 (fully_shard), which does not run on "
+                              "XLA; remove it for XLA FSDP v1 (distributed_type: XLA), set version: 2 with "
+                              "distributed_type: NO for XLA FSDP v2 (SPMD), or engine: fsdp2 (without xla) for torch's "
+                              "FSDP2")
     return out
 
 

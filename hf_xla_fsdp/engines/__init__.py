@@ -1,42 +1,62 @@
 """The FSDP engines behind one seam: :class:`~.base.Engine`, chosen once per session.
 
-``engine_for(plugin)`` picks the engine a plugin configures (``version``); the session calls it once and
-passes the engine on. ``engine_of(model)`` is the engine that wrapped a model: every unit an engine makes
-carries it (``checkpoint.codec.CODEC_ATTR``). Only this package knows which engine runs; a third engine
-is a new module here, one line in ``ENGINES`` and one entry in the plugin's ``version`` choices. Importing
-this package does not import torch_xla.
+``engine_for(plugin)`` picks the engine a plugin configures (``plugin.engine_key``: ``version`` under
+``engine="xla"``, else the engine's name); the session calls it once and passes the engine on. ``engine_of(model)`` is
+the engine that wrapped a model: every unit an engine makes carries it (``checkpoint.codec.CODEC_ATTR``). Only this
+package knows which engine runs; a new engine is a new module here, one line in ``ENGINES`` and one entry in the
+plugin's ``ENGINE_TITLES``. Importing this package imports neither torch_xla nor any engine's runtime.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional
+import sys
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from torch import nn
 
 from ..checkpoint.codec import CODEC_ATTR, RankState, Restored
 from ..errors import ConfigError
 from .base import Engine
+from .fsdp2 import Fsdp2
 from .v1 import XlaFsdpV1
 from .v2 import XlaFsdpV2
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
-ENGINES: dict[int, Engine] = {engine.version: engine for engine in (XlaFsdpV1(), XlaFsdpV2())}
+ENGINES: dict[Any, Engine] = {engine.key: engine for engine in (XlaFsdpV1(), XlaFsdpV2(), Fsdp2())}
 
 
-def engine_for(plugin: "XlaFsdpPlugin") -> Engine:
-    """The engine ``plugin.version`` selects (the plugin has validated the version already)."""
+def engine_for(plugin: "XlaFsdpPlugin", require_runtime: bool = True) -> Engine:
+    """The engine ``plugin.engine_key`` selects (the plugin has validated it already); with ``require_runtime``, one
+    line when that engine's runtime is not installed (the planner, which runs nothing, passes False)."""
     try:
-        return ENGINES[plugin.version]
+        engine = ENGINES[plugin.engine_key]
     except KeyError:
-        raise ConfigError(f"version={plugin.version!r} is not valid; allowed values: "
-                          + ", ".join(f"{v} = {e.title}" for v, e in sorted(ENGINES.items()))) from None
+        raise ConfigError(f"engine {plugin.engine_key!r} is not valid; allowed values: "
+                          + ", ".join(f"{k} = {e.title}" for k, e in ENGINES.items())) from None
+    missing = engine.missing_runtime() if require_runtime else None
+    if missing:
+        raise ConfigError(missing)
+    return engine
+
+
+def _loaded_unit_classes() -> tuple[type, ...]:
+    """The unit class of every engine whose runtime this process has imported: a model cannot hold units of a
+    library never imported, and asking would import it (torch_xla starts its runtime on import)."""
+    out = []
+    for engine in ENGINES.values():
+        if engine.runtime_module is None or engine.runtime_module in sys.modules:
+            try:
+                out.append(engine.unit_class())
+            except ImportError:
+                continue
+    return tuple(out)
 
 
 def unit_classes() -> tuple[type, ...]:
-    """The FSDP unit class of every engine (imports torch_xla)."""
-    return tuple(engine.unit_class() for engine in ENGINES.values())
+    """The FSDP unit class of every engine whose runtime is imported in this process."""
+    return _loaded_unit_classes()
 
 
 def _engine_of_unit(module: nn.Module) -> Optional[Engine]:
@@ -44,7 +64,7 @@ def _engine_of_unit(module: nn.Module) -> Optional[Engine]:
     if tagged is not None:
         return tagged
     for engine in ENGINES.values():  # a unit made outside this package (e.g. plain XlaFullyShardedDataParallel)
-        if isinstance(module, engine.unit_class()):
+        if (engine.runtime_module is None or engine.runtime_module in sys.modules) and isinstance(module, engine.unit_class()):
             return engine
     return None
 
@@ -63,10 +83,7 @@ def is_wrapped(model: nn.Module) -> bool:
     """True when ``model`` or any submodule is already an XLA FSDP unit (any engine)."""
     if any(CODEC_ATTR in m.__dict__ for m in model.modules()):
         return True
-    try:
-        classes = unit_classes()
-    except ImportError:
-        return False
+    classes = unit_classes()
     return any(isinstance(m, classes) for m in model.modules())
 
 
@@ -80,9 +97,10 @@ def fsdp_units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside FSDP units (and their inner wrappers, e.g. parameter flattening), or ``model``."""
-    classes = unit_classes() + tuple(w for e in ENGINES.values() for w in e.inner_wrappers())
-    while isinstance(model, classes):
-        model = model.module
+    for module in model.modules():
+        engine = _engine_of_unit(module)
+        if engine is not None:
+            return engine.unwrap(model)
     return model
 
 

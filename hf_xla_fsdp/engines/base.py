@@ -66,7 +66,9 @@ class Engine:
     makes is tagged with it, so checkpoints find it without importing this package.
     """
 
-    #: ``plugin.version`` that selects this engine
+    #: ``plugin.engine_key`` that selects this engine (``version`` for the XLA engines)
+    key: Any = None
+    #: ``plugin.version`` that selects this engine under ``engine="xla"`` (0: not an XLA engine)
     version: int = 0
     #: name in training records and model cards
     name: str = ""
@@ -76,6 +78,41 @@ class Engine:
     checkpoint_layout: str = ""
     #: one process drives every device (SPMD) instead of one process per device
     spmd: bool = False
+    #: the module the engine's runtime lives in (None: torch itself), and the extra that installs it
+    runtime_module: Optional[str] = "torch_xla"
+    runtime_extra: str = "xla"
+    #: the runtime compiles graphs from traced steps: a persistent compilation cache, padded batch shapes and the
+    #: recompilation watch apply (an eager engine needs none of them)
+    compiles_graphs: bool = True
+    #: torch's fused optimizer kernels run on its devices (XLA has none: the Trainer's fused AdamW default is unfused)
+    fused_optimizers: bool = False
+
+    def missing_runtime(self) -> Optional[str]:
+        """The one line when this engine's runtime is not installed (None when it is); nothing is imported."""
+        import importlib.util
+
+        if self.runtime_module is None:
+            return None
+        try:
+            found = importlib.util.find_spec(self.runtime_module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            return None
+        return (f"{self.title} needs {self.runtime_module}, which is not installed: pip install "
+                f"'hf_xla_fsdp[{self.runtime_extra}]', or use engine='fsdp2' (torch's own FSDP2, no torch_xla)")
+
+    def multi_process(self) -> bool:
+        """True when several processes of this engine's runtime take part."""
+        from ..runtime import multi_process
+
+        return multi_process()
+
+    def process_index(self) -> int:
+        """This process's index among the runtime's processes."""
+        from ..runtime import process_index
+
+        return process_index()
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:

@@ -196,6 +196,7 @@ def _free_storage(p: torch.Tensor) -> None:
 class XlaFsdpV1(Engine):
     """``XlaFullyShardedDataParallel`` (ZeRO-2 / ZeRO-3) over the replica processes."""
 
+    key = 1
     version = 1
     name = "xla_fsdp_v1"
     title = "FSDP v1 (XlaFullyShardedDataParallel)"

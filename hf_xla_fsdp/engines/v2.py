@@ -290,6 +290,7 @@ def _stand_ins(model: nn.Module) -> Any:
 class XlaFsdpV2(Engine):
     """``SpmdFullyShardedDataParallel`` over a ``(replica, fsdp)`` mesh of every device, one process."""
 
+    key = 2
     version = 2
     name = "xla_fsdp_v2"
     title = "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"

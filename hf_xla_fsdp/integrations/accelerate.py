@@ -101,6 +101,10 @@ class XlaFsdpAccelerator(Accelerator):
                 source = f"ACCELERATE_MIXED_PRECISION={precision}"
             session = XlaFsdpSession(plugin.with_mixed_precision(precision, source))
         kwargs["mixed_precision"] = "no"
+        # the session's engine shards the models: accelerate's own FSDP (ACCELERATE_USE_FSDP from `accelerate launch`
+        # with distributed_type FSDP, e.g. for engine fsdp2) would shard them a second time
+        if os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() in ("1", "true", "yes"):
+            os.environ["ACCELERATE_USE_FSDP"] = "false"
         session.setup_runtime()  # before accelerate's state looks at the devices (FSDP v2: one process, every device)
         super().__init__(*args, **kwargs)
         startup.patch_gather_object(gather_object)  # upstream raises NotImplementedError on XLA

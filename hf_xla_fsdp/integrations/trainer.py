@@ -33,7 +33,7 @@ from torch import nn
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
 from .. import upstream
-from ..config.training_args import adjust_for_xla, plugin_from_training_args
+from ..config.training_args import adjust_for_xla, plugin_from_training_args, unfuse_optimizer
 from ..engines import is_wrapped
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
@@ -87,6 +87,8 @@ class XlaFsdpTrainerMixin:
                               "(\"xla\": true)")
         plugin = adjust_for_xla(fsdp_plugin, args) if fsdp_plugin is not None else plugin_from_training_args(args)
         self.xla_fsdp_session = XlaFsdpSession(plugin)
+        if not self.xla_fsdp_session.engine.fused_optimizers:
+            unfuse_optimizer(args)
         self.xla_fsdp_session.checkpoints.progress = not args.disable_tqdm
         self.xla_fsdp_session.step_source = lambda: self.state.global_step  # named when a new graph compiles late
         self.xla_fsdp_session.setup_runtime(
@@ -202,6 +204,9 @@ class XlaFsdpTrainerMixin:
 
     # ----------------------------------------------------------------- accelerator and optimizer
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # the session shards the model: torch FSDP's plugin (built by transformers from --fsdp without "xla": true,
+        # e.g. for engine fsdp2) would have accelerate shard it a second time
+        kwargs.pop("fsdp_plugin", None)
         self._accelerator_kwargs = super()._build_accelerator_args(**kwargs)
         # bf16/fp16 became the plugin's compute_dtype in __init__; accelerate's autocast would break SDPA on XLA
         self._accelerator_kwargs["mixed_precision"] = "no"
@@ -213,8 +218,6 @@ class XlaFsdpTrainerMixin:
 
         super().create_accelerator_and_postprocess()
         kwargs = dict(self._accelerator_kwargs)
-        if kwargs.pop("fsdp_plugin", None) is not None:  # torch FSDP's plugin: never built for an XLA fsdp_config
-            raise ConfigError("XlaFsdpTrainer got a torch FSDP plugin; use an fsdp_config with \"xla\": true")
         self.accelerator = XlaFsdpAccelerator(session=self.xla_fsdp_session, **kwargs)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:

@@ -35,7 +35,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checkpoint.safetensors_io import SafetensorsReader
 from ..errors import ConfigError
-from ..runtime import sync
 from .wrapping import BlockPlan, plan_blocks, replace_submodule
 
 if TYPE_CHECKING:
@@ -609,6 +608,7 @@ def build_sharded(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     peft_config: Any = None,
+    sync: Optional[Callable[[], None]] = None,
 ) -> nn.Module:
     """Build ``source`` on ``meta``, then materialize, initialize and shard it block by block.
 
@@ -619,6 +619,9 @@ def build_sharded(
     ``peft_config`` (e.g. a ``peft.LoraConfig``) attaches adapters to the skeleton before anything is
     materialized and returns the wrapped ``PeftModel``: the order is base on meta, adapters on meta,
     then block by block: base tensors read (or initialized), adapters initialized, shard.
+
+    ``sync()`` (the engine's) runs each block's sharding before the next block is filled, so the block's full tensors
+    are freed first (default: the XLA runtime's graph cut).
     """
     # adapters are initialized between fills from the global RNG, which must then already be eager's final state
     sk = build_skeleton(source, model_cls=model_cls, dtype=dtype, defer_init_draws=peft_config is None)
@@ -645,13 +648,15 @@ def build_sharded(
             stream[:] = [torch.get_rng_state()]
             torch.set_rng_state(outer)
     with _older_objects_frozen():
+        if sync is None:
+            from ..runtime import sync
         return _fill_and_wrap(sk, model, plan_blocks(model, plugin), key_of, init_adapters, wrap_block=wrap_block,
-                              wrap_root=wrap_root, progress=progress)
+                              wrap_root=wrap_root, progress=progress, sync=sync)
 
 
 def _fill_and_wrap(sk: Skeleton, model: nn.Module, plan: BlockPlan, key_of: Any, init_adapters: Any, *,
                    wrap_block: Callable[[nn.Module, bool], nn.Module], wrap_root: Optional[Callable[[nn.Module], nn.Module]],
-                   progress: bool) -> nn.Module:
+                   progress: bool, sync: Callable[[], None]) -> nn.Module:
     """Materialize, initialize and shard ``model`` block by block, then the root (see :func:`build_sharded`)."""
     from tqdm.auto import tqdm
 

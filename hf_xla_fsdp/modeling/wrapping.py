@@ -35,11 +35,29 @@ def resolve_classes(model: nn.Module, names: Sequence[str]) -> set[type]:
     return {present[n] for n in names}
 
 
-def _wrap_policy(model: nn.Module, plugin: "XlaFsdpPlugin") -> Callable[..., bool]:
-    from torch_xla.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+def transformer_policy(module: nn.Module, recurse: bool, unwrapped_params: int, classes: tuple[type, ...]) -> bool:
+    """torch_xla's ``transformer_auto_wrap_policy``: always recurse; wrap instances of ``classes``."""
+    return True if recurse else isinstance(module, classes)
 
+
+#: torch_xla's (and torch's) ``size_based_auto_wrap_policy`` defaults: a MultiheadAttention is never split, containers
+#: never become units
+FORCE_LEAF_MODULES = (nn.MultiheadAttention,)
+EXCLUDE_WRAP_MODULES = (nn.ModuleList, nn.ModuleDict)
+
+
+def size_policy(module: nn.Module, recurse: bool, unwrapped_params: int, min_num_params: int) -> bool:
+    """torch_xla's ``size_based_auto_wrap_policy`` with its default leaf and excluded modules."""
+    is_large = unwrapped_params >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, FORCE_LEAF_MODULES)
+    return is_large and not isinstance(module, EXCLUDE_WRAP_MODULES)
+
+
+def _wrap_policy(model: nn.Module, plugin: "XlaFsdpPlugin") -> Callable[..., bool]:
+    # torch_xla's two policies, written out: selecting blocks must not import torch_xla (engine fsdp2, the planner)
     if plugin.min_num_params > 0:
-        return functools.partial(size_based_auto_wrap_policy, min_num_params=plugin.min_num_params)
+        return functools.partial(size_policy, min_num_params=plugin.min_num_params)
     names = plugin.transformer_layer_cls_to_wrap
     if names is None:
         present = {type(m).__name__ for m in model.modules()}
@@ -51,7 +69,7 @@ def _wrap_policy(model: nn.Module, plugin: "XlaFsdpPlugin") -> Callable[..., boo
                 "or min_num_params to get nested FSDP units.", type(model).__name__,
             )
             return lambda **_: False
-    return functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=resolve_classes(model, names))
+    return functools.partial(transformer_policy, classes=tuple(resolve_classes(model, names)))
 
 
 def select_blocks(model: nn.Module, plugin: "XlaFsdpPlugin") -> list[str]:

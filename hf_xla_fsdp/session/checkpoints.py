@@ -213,11 +213,10 @@ class CheckpointManager:
         be visible to every process of the run).
         """
         from ..checkpoint.consolidate import read_full_state_dict
-        from ..runtime import multi_process
 
         root = Path(os.environ.get("HF_XLA_FSDP_TMPDIR") or tempfile.gettempdir())
         # the same name on every process of this run without communication: the launcher's pid and a counter
-        launcher = os.getppid() if multi_process() else os.getpid()
+        launcher = os.getppid() if self.session.engine.multi_process() else os.getpid()
         tmp = root / f"hf_xla_fsdp-state-{launcher}-{call}"
         try:
             self._save_shards(tmp, model, step=0)

@@ -58,9 +58,8 @@ class XlaFsdpSession:
         if counted_processes is not None and not self.engine.runtime_ready(counted_processes):
             raise ConfigError(self.engine.runtime_too_late(what))
         self.engine.setup_runtime(self.plugin, what=what)
-        from ..runtime import process_index
-
-        compile_cache.setup(self.plugin.compilation_cache_dir, process_index)  # before the first compile
+        if self.engine.compiles_graphs:  # before the first compile
+            compile_cache.setup(self.plugin.compilation_cache_dir, self.engine.process_index)
 
     # ----------------------------------------------------------------- models
     def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
@@ -86,7 +85,8 @@ class XlaFsdpSession:
                 eager = require_peft().get_peft_model(eager, peft_config)
             return self.wrap_model(eager) if wrap_root else eager
         return build_sharded(src, self.plugin, wrap_block=self._wrap_block, wrap_root=self._wrap_root if wrap_root else None,
-                             model_cls=model_cls, dtype=dtype, progress=progress, peft_config=peft_config)
+                             model_cls=model_cls, dtype=dtype, progress=progress, peft_config=peft_config,
+                             sync=self.engine.sync)
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``."""
@@ -178,6 +178,8 @@ class XlaFsdpSession:
     def pad_batches(self, loader: Any, models: Optional[Callable[[], Any]] = None) -> Any:
         """A host data loader whose batches are padded to the ``pad_to_buckets`` lengths (see :mod:`.shapes`);
         ``models`` gives the prepared models (their config's pad token and longest sequence), read at the first batch."""
+        if not self.engine.compiles_graphs:  # an eager engine compiles nothing: padding would only cost compute
+            return loader
         inner = (lambda: [self.unwrap(m) for m in models()]) if models is not None else None
         return shapes.pad_loader(loader, self.plugin.pad_to_buckets, models=inner, errors=self._pad_errors)
 
@@ -185,6 +187,8 @@ class XlaFsdpSession:
         """An XLA device loader adjusted for the engine (FSDP v2: every batch split over all devices) that logs one
         line when, after warm-up, new input shapes compile a new graph."""
         loader = self.engine.prepare_loader(loader, self.plugin)
+        if not self.engine.compiles_graphs:
+            return loader
         watch = shapes.RecompileWatch(self.plugin.pad_to_buckets, step=lambda: self.step_source and self.step_source(),
                                       after_compile=compile_cache.check, errors=self._pad_errors)
         return shapes.watch_loader(loader, watch)

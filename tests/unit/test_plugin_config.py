@@ -189,7 +189,7 @@ def test_every_key_accelerate_config_writes_for_torch_fsdp_is_mapped(tmp_path, c
 
 @pytest.mark.parametrize("edit,replacement,named", [
     ("fsdp_offload_params: false", "fsdp_offload_params: true", "fsdp_offload_params"),
-    ("fsdp_version: 1", "fsdp_version: 2", "fsdp_version"),
+    ("fsdp_version: 1", "fsdp_version: 2\n  xla: true", "fsdp_version"),
     ("fsdp_reshard_after_forward: SHARD_GRAD_OP", "fsdp_reshard_after_forward: NO_SHARD", "NO_SHARD"),
     ("fsdp_reshard_after_forward: SHARD_GRAD_OP", "fsdp_reshard_after_forward: HYBRID_SHARD", "replica_size"),
     ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP", "fsdp_auto_wrap_policy: LAYER_WRAP", "fsdp_auto_wrap_policy"),
@@ -222,3 +222,74 @@ def test_checkpoint_storage_flows_from_fsdp_config_and_accelerate_yaml(tmp_path)
     path = tmp_path / "fsdp.yaml"
     path.write_text(ACCELERATE_CONFIG_FSDP.replace("fsdp_config:\n", "fsdp_config:\n  checkpoint_storage: object\n", 1))
     assert XlaFsdpPlugin.from_accelerate_config(path).checkpoint_storage == "object"
+
+
+# what `accelerate config` writes for torch's FSDP2 (accelerate 1.15: distributed_type FSDP, fsdp_version 2)
+ACCELERATE_CONFIG_FSDP2 = """compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: true
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 4
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: true
+"""
+
+
+def test_accelerate_fsdp2_yaml_selects_engine_fsdp2(tmp_path):
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(ACCELERATE_CONFIG_FSDP2)
+    p = XlaFsdpPlugin.from_accelerate_config(path)
+    assert p.engine == "fsdp2" and p.engine_key == "fsdp2"
+    assert p.activation_checkpointing and not p.reshard_after_forward and p.compute_dtype is torch.bfloat16
+    assert p.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"] and p.checkpoint_format == "sharded"
+    p.check_launcher("FSDP", str(path))  # accelerate's own distributed type for it
+    with pytest.raises(ConfigError, match="engine fsdp2 runs torch.distributed processes"):
+        p.check_launcher("XLA", str(path))
+    # an XLA v2 config that also says fsdp_version: 2 stays XLA v2 (accepted before engine fsdp2 existed)
+    v2 = XlaFsdpPlugin.from_fsdp_config({"xla": True, "xla_fsdp_v2": True, "fsdp_version": 2})
+    assert v2.engine == "xla" and v2.version == 2
+
+
+@pytest.mark.parametrize("cfg,needle", [
+    ({"engine": "fsdp2", "version": 2}, "version applies to engine=xla only; remove it for engine=fsdp2"),
+    ({"engine": "fsdp2", "flatten_parameters": True}, "flatten_parameters applies to version=1 only"),
+    ({"engine": "fsdp2", "scan_layers": True}, "scan_layers=True is not available with engine=fsdp2"),
+    ({"engine": "fsdp2", "compute_dtype": "float16"}, "compute_dtype=float16 is not available with engine=fsdp2"),
+    ({"engine": "fsdp2", "tensor_parallel_size": 2}, "tensor_parallel_size applies to version=2 only"),
+    ({"engine": "fsdp3"}, "engine='fsdp3' is not valid; allowed values: 'xla', 'fsdp2'"),
+    ({"engine": "fsdp2", "xla": True}, "xla=True and engine=fsdp2 in fsdp_config disagree"),
+])
+def test_engine_fsdp2_refuses_what_it_cannot_honour_in_one_line(cfg, needle):
+    with pytest.raises(ConfigError) as err:
+        XlaFsdpPlugin.from_fsdp_config(cfg)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_engine_selection_and_its_spellings():
+    assert XlaFsdpPlugin(engine="FSDP2").engine == "fsdp2"
+    # transformers writes xla: false (and its other defaults) into every fsdp_config of a --fsdp run
+    p = XlaFsdpPlugin.from_fsdp_config({"engine": "fsdp2", "xla": False, "xla_fsdp_v2": False,
+                                        "xla_fsdp_grad_ckpt": False, "min_num_params": 0})
+    assert p.engine == "fsdp2" and XlaFsdpPlugin.from_dict(p.to_dict()) == p
+    # unset, settings only XLA FSDP honours pick it whatever is installed; the rest take the installed runtime's
+    assert XlaFsdpPlugin(version=2).engine == "xla" and XlaFsdpPlugin(flatten_parameters=True).engine == "xla"
+    from hf_xla_fsdp.plugin import default_engine
+    assert XlaFsdpPlugin().engine == default_engine()

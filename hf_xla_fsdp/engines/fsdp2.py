@@ -1,0 +1,503 @@
+"""FSDP2: torch's own ``fully_shard`` over a ``DeviceMesh``, one process per device; torch_xla is never imported.
+
+Every parameter becomes a ``DTensor`` sharded on dim 0 over the mesh's ``fsdp`` axis (and replicated over a
+``replica`` axis for hybrid sharding, HSDP). One code path serves every device: the device type and the
+torch.distributed backend are chosen in one place (:func:`resolve_device`: CPU/gloo, CUDA/NCCL, TorchTPU's ``tpu``
+device and its backend, any other torch accelerator), so this engine runs where torch runs (CPU included), and on
+TPUs through TorchTPU once PyTorch/XLA is gone.
+
+Blocks are sharded without a full tensor on the device: the meta build hands each block over filled on the host
+(one block at a time), its parameters are swapped for ``meta`` tensors, ``fully_shard`` makes their sharded
+``DTensor`` skeletons, and only this rank's rows are copied into freshly allocated local shards
+(:func:`shard_module`). Rank files use the pieces layout of FSDP v2 (``checkpoint.readers.LAYOUT_PIECES``): every
+tensor as the rows this rank holds, with their offsets, so consolidation, ``verify``, ``gather``, resharding to another
+world size and resuming across XLA FSDP v2 and this engine need nothing engine-specific.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from ..checkpoint.codec import Collectives, RankState, Restored
+from ..checkpoint.layout import MODEL_PREFIX
+from ..checkpoint.readers import LAYOUT_PIECES, merge_pieces, open_listed, read_pieces, read_rows_of_pieces
+from ..checkpoint.safetensors_io import dtype_name
+from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
+from ..errors import CheckpointError, ConfigError
+from .base import Engine, host_copy
+
+if TYPE_CHECKING:
+    from ..plugin import XlaFsdpPlugin
+
+logger = logging.getLogger(__name__)
+
+#: force the device type (``cpu``, ``cuda``, ``tpu``, ...) instead of detecting it
+ENV_DEVICE = "HF_XLA_FSDP_DEVICE"
+FSDP_AXIS = "fsdp"
+REPLICA_AXIS = "replica"
+#: TorchTPU's Python package (it renames torch's PrivateUse1 device to ``tpu`` and registers its backend)
+TORCH_TPU = "torch_tpu"
+
+
+# --------------------------------------------------------------------------- device and backend: the one place
+def _torch_tpu_available() -> bool:
+    """True when TorchTPU is installed and sees a TPU. torch loads it itself (its ``torch.backends`` entry point);
+    the import here covers a process that switched that autoload off, and does nothing when it already ran."""
+    try:
+        if importlib.util.find_spec(TORCH_TPU) is None:
+            return False
+        importlib.import_module(TORCH_TPU)
+    except Exception as err:  # a broken installation (e.g. no libtpu) is "no TPU", said once
+        logger.warning("%s is installed but could not be imported (%s); not using TPUs", TORCH_TPU, err)
+        return False
+    module = getattr(torch, "tpu", None)
+    try:
+        return bool(module is not None and module.is_available())
+    except Exception:
+        return False
+
+
+def resolve_device() -> tuple[str, str]:
+    """``(device type, torch.distributed backend)`` of this process, decided here and nowhere else.
+
+    ``$HF_XLA_FSDP_DEVICE`` wins when set; else TorchTPU's ``tpu`` when it sees a TPU; else torch's current
+    accelerator when one is available (``cuda``, ``xpu``, ...); else ``cpu``. The backend is the one torch.distributed
+    registers for that device (gloo for cpu, nccl for cuda, TorchTPU's for tpu).
+    """
+    import torch.distributed as dist
+
+    forced = os.environ.get(ENV_DEVICE, "").strip().lower()
+    if forced:
+        device_type = forced
+        if device_type == "tpu":
+            _torch_tpu_available()  # registers the device and its backend
+    elif _torch_tpu_available():
+        device_type = "tpu"
+    else:
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        device_type = accelerator.type if accelerator is not None else "cpu"
+    try:
+        backend = dist.get_default_backend_for_device(device_type)
+    except (ValueError, RuntimeError, KeyError):
+        raise ConfigError(f"torch.distributed has no backend for device type {device_type!r}"
+                          + (f" (from ${ENV_DEVICE})" if forced else "") + "; install the package that provides it "
+                          "(TorchTPU for tpu) or set " + ENV_DEVICE + "=cpu") from None
+    return device_type, str(backend)
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def device() -> torch.device:
+    """This process's device (its ``LOCAL_RANK``-th accelerator, or the CPU)."""
+    device_type = current_device_type()
+    return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, _local_rank())
+
+
+_STATE: dict[str, Any] = {"device_type": None, "meshes": {}}
+
+
+def current_device_type() -> str:
+    """The device type this process runs on (resolved once)."""
+    if _STATE["device_type"] is None:
+        _STATE["device_type"] = resolve_device()[0]
+    return _STATE["device_type"]
+
+
+def init_distributed() -> None:
+    """torch.distributed with the backend of :func:`resolve_device`, once (a launcher's process group is kept).
+
+    Under ``torchrun`` / ``accelerate launch`` / ``hf-xla-fsdp launch`` the group comes from the environment
+    (``env://``); a lone process without ``MASTER_ADDR`` gets a group of one in memory.
+    """
+    import torch.distributed as dist
+
+    device_type, backend = resolve_device()
+    _STATE["device_type"] = device_type
+    if device_type != "cpu":
+        torch.get_device_module(device_type).set_device(_local_rank())
+    if dist.is_initialized():
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
+
+
+def mesh_layout(world: int, replicas: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Shape and axis names of the mesh over ``world`` processes: ``(fsdp,)``, or ``(replica, fsdp)`` (HSDP)."""
+    if replicas < 1 or world % replicas:
+        raise ConfigError(f"replica_size={replicas} does not divide the {world} processes; choose a divisor of {world}")
+    if replicas == 1:
+        return (world,), (FSDP_AXIS,)
+    return (replicas, world // replicas), (REPLICA_AXIS, FSDP_AXIS)
+
+
+def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
+    """The ``DeviceMesh`` of every process (made once per layout; every process must ask for it at the same point)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_distributed()
+    shape, names = mesh_layout(dist.get_world_size(), plugin.replica_size)
+    key = (current_device_type(), shape, names)
+    if key not in _STATE["meshes"]:
+        _STATE["meshes"][key] = init_device_mesh(current_device_type(), shape, mesh_dim_names=names)
+    return _STATE["meshes"][key]
+
+
+def _refuse_xla_runtime(what: str) -> None:
+    """One line when accelerate (and so the Trainer) has taken torch_xla's runtime in this process: transformers and
+    accelerate use torch_xla whenever it is installed unless ``USE_TORCH_XLA=0`` is set before they are imported."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or not getattr(state.PartialState, "_shared_state", None):
+        return
+    if str(getattr(state.PartialState(), "distributed_type", "")).endswith("XLA"):
+        raise ConfigError(f"engine fsdp2 runs torch.distributed processes, but {what} already set up torch_xla's "
+                          "runtime (torch_xla is installed): set USE_TORCH_XLA=0 in the environment before starting "
+                          "(hf-xla-fsdp launch does it for engine fsdp2)")
+
+
+# --------------------------------------------------------------------------- sharding
+def _rows(tensor: Any) -> Optional[tuple[int, int]]:
+    """``(start, stop)`` of the dim-0 rows this process holds of a DTensor sharded ``Shard(0)`` over the fsdp axis
+    (``Replicate`` over any replica axis); None for a replica that does not save (not the first), or for a plain
+    tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh = tensor.device_mesh
+    n = tensor.shape[0]
+    start, stop = 0, n
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard) and placement.dim == 0:
+            count, index = mesh.size(dim), mesh.get_local_rank(dim)
+            chunk = -(-n // count) if n else 0  # torch.chunk's split, as DTensor's Shard uses
+            start, stop = min(index * chunk, n), min((index + 1) * chunk, n)
+        elif not isinstance(placement, Replicate):
+            raise CheckpointError(f"a {list(tensor.shape)} parameter is placed {tensor.placements}; engine fsdp2 saves "
+                                  "Shard(0) and Replicate placements only")
+    local = tensor.to_local()
+    if local.shape[:1] != (stop - start,):
+        raise CheckpointError(f"a {list(tensor.shape)} DTensor holds {list(local.shape)} locally, not rows {start}:{stop}")
+    return start, stop
+
+
+def _first_replica(tensor: Any) -> bool:
+    """True on the processes whose copy of a DTensor is saved: coordinate 0 on every Replicate axis."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = tensor.device_mesh
+    return all(mesh.get_local_rank(dim) == 0 for dim, p in enumerate(tensor.placements) if isinstance(p, Replicate))
+
+
+@torch.no_grad()
+def shard_module(module: nn.Module, plugin: "XlaFsdpPlugin", reshard_after_forward: Optional[bool]) -> nn.Module:
+    """``fully_shard(module)`` without ever placing a full parameter on the device.
+
+    The parameters ``module`` owns that no inner unit has sharded yet (host tensors: one block, or the root's own)
+    are swapped for ``meta`` tensors; ``fully_shard`` makes their sharded ``DTensor`` skeletons; each is then given a
+    local shard on this process's device holding only its rows of the host tensor. Tied parameters stay one
+    parameter. Floating buffers become ``buffer_dtype`` when it is set.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = get_mesh(plugin)
+    host: dict[tuple[int, str], tuple[nn.Module, torch.Tensor]] = {}
+    stand_ins: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            if param.is_meta:
+                raise ConfigError(f"{type(module).__name__}.{name} is still on the meta device; build the model with "
+                                  "XlaFsdpPlugin.build (it fills each block before sharding it)")
+            host[(id(sub), name)] = (sub, param.detach())
+            if id(param) not in stand_ins:  # a tied parameter gets one stand-in under both names
+                stand_ins[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                    requires_grad=param.requires_grad)
+            sub._parameters[name] = stand_ins[id(param)]
+    if plugin.buffer_dtype not in (None, torch.float32):
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.is_floating_point():
+                    sub._buffers[name] = buf.to(plugin.buffer_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=plugin.compute_dtype, reduce_dtype=torch.float32) \
+        if plugin.compute_dtype not in (None, torch.float32) else MixedPrecisionPolicy()
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    target = device()
+    done: set[int] = set()
+    for sub, name in ((sub, name) for (_, name), (sub, _) in host.items()):
+        param = sub._parameters[name]
+        if id(param) in done:  # the second name of a tied parameter
+            continue
+        full = host[(id(sub), name)][1]
+        start, stop = _rows(param) or (0, param.shape[0])
+        local = torch.empty(param.to_local().shape, dtype=param.dtype, device=target)
+        local.copy_(full[start:stop])
+        real = nn.Parameter(DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                               stride=param.stride(), run_check=False), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, real)  # the same object: FSDP's bookkeeping and the ties keep it
+        done.add(id(param))
+    return module
+
+
+def _checkpointed(block: nn.Module) -> nn.Module:
+    """Recompute ``block``'s activations in backward (``torch.utils.checkpoint``, non-reentrant) without renaming its
+    parameters (a ``checkpoint_wrapper`` would put ``_checkpoint_wrapped_module.`` into every name)."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+
+    @functools.wraps(forward)
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = recomputed
+    return block
+
+
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Saved name -> tensor of the model's state; a tied weight appears once, under its first name (as v1 and v2)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out[MODEL_PREFIX + name] = tensor
+    return out
+
+
+def _placement_names(tensor: Any) -> Optional[list[str]]:
+    from torch.distributed.tensor import DTensor
+
+    return [str(p) for p in tensor.placements] if isinstance(tensor, DTensor) else None
+
+
+def _read_local(entry: dict[str, Any], like: torch.Tensor) -> torch.Tensor:
+    """This process's part of a saved tensor: the rows a DTensor holds (read from the saved pieces that cover them,
+    whatever layout wrote them), or the whole tensor for a plain one."""
+    rows = _rows(like)
+    if rows is None:
+        return read_pieces(entry)
+    return read_rows_of_pieces(entry, *rows)
+
+
+class Fsdp2(Engine):
+    """torch's FSDP2 (``fully_shard``) over a ``(fsdp,)`` or ``(replica, fsdp)`` DeviceMesh, one process per device."""
+
+    key = "fsdp2"
+    version = 0
+    name = "fsdp2"
+    title = "FSDP2 (torch fully_shard, DTensor)"
+    checkpoint_layout = LAYOUT_PIECES
+    runtime_module = None
+    compiles_graphs = False
+    fused_optimizers = True
+
+    # ----------------------------------------------------------------- runtime
+    def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
+        _refuse_xla_runtime(what)
+        get_mesh(plugin)  # the process group, the device, and the mesh, before any model exists
+
+    def multi_process(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    def process_index(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    # ----------------------------------------------------------------- wrapping
+    def unit_class(self) -> type:
+        from torch.distributed.fsdp import FSDPModule
+
+        return FSDPModule
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard works in place: the unit is the user's module
+
+    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
+        from ..checkpoint.codec import tag
+
+        # zero2 keeps every block a unit too, with its gathered parameters kept from forward to backward (FSDP2's
+        # ZeRO-2); zero3 frees them after each block's forward unless reshard_after_forward is off
+        block = self.checkpoint_block(block, plugin)
+        return tag(shard_module(block, plugin, reshard_after_forward=nested and plugin.reshard_after_forward), self)
+
+    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        return shard_module(block, plugin, reshard_after_forward=plugin.sharding == "zero3"
+                            and plugin.reshard_after_forward)
+
+    def make_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        return shard_module(model, plugin, reshard_after_forward=None)  # FSDP2 keeps the root gathered for backward
+
+    def checkpoint_block(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        return _checkpointed(block) if plugin.activation_checkpointing else block
+
+    # ----------------------------------------------------------------- training
+    def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm over every process's shards (each replica group holds the same gradients: summed over the
+        ``fsdp`` axis only), then each local gradient scaled, as ``torch.nn.utils.clip_grad_norm_`` does."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        norm_type = float(norm_type)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        dev = local[0].device if local else device()
+        if local:
+            # in fp32 whatever the gradients' dtype: a bf16 sum of squares loses the small contributions
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in local])
+            total = norms.max() if norm_type == math.inf else (norms ** norm_type).sum()
+        else:
+            total = torch.zeros((), device=dev)
+        sharded = [g for g in grads if isinstance(g, DTensor)]
+        if sharded and dist.is_initialized():
+            group = sharded[0].device_mesh.get_group(FSDP_AXIS)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=group)
+        total = total if norm_type == math.inf else total ** (1.0 / norm_type)
+        # torch.nn.utils.clip_grads_with_norm_'s arithmetic, on the local shards (it takes parameters, not gradients)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if local:
+            torch._foreach_mul_(local, coefficient.to(local[0].device))
+        return total
+
+    # ----------------------------------------------------------------- names and ranks
+    def rank_world(self, model: nn.Module) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        return dist.get_rank(), dist.get_world_size()
+
+    def original_names(self, model: nn.Module) -> dict[str, str]:
+        return {name: name for name, _ in model.named_parameters()}
+
+    # ----------------------------------------------------------------- checkpoints
+    def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
+        """For every tensor, the rows this process holds (the first replica's only), with their offsets; plain
+        tensors (buffers, the optimizer's step counters) from rank 0 alone."""
+        rank, _ = self.rank_world(model)
+        named = {name: t.detach() for name, t in _unique_state(model).items()}
+        optim = None
+        if optimizer is not None:
+            optim, optim_tensors = optimizer_meta(model, optimizer, self.checkpoint_name)
+            named.update(optim_tensors)
+        entries: dict[str, dict[str, Any]] = {}
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        sources: dict[str, torch.Tensor] = {}
+        placements: dict[str, list[str]] = {}
+        for name, t in named.items():
+            rows = _rows(t)
+            pieces = []
+            if rows is not None and _first_replica(t):
+                start = [rows[0]] + [0] * (t.dim() - 1)
+                stop = [rows[1]] + list(t.shape[1:])
+                local = t.to_local()
+            elif rows is None and rank == 0:
+                start, stop, local = [0] * t.dim(), list(t.shape), t
+            else:
+                local = None
+            if local is not None:
+                key = f"{name}#{rank}"  # unique in the whole checkpoint, not only in this file
+                pieces.append({"key": key, "start": start, "stop": stop})
+                specs.append((key, tuple(local.shape), t.dtype))
+                sources[key] = local
+            entries[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "pieces": pieces}
+            names = _placement_names(t)
+            if names is not None:
+                placements[name] = names
+        mesh = next((t.device_mesh for t in named.values() if _placement_names(t) is not None), None)
+        dtensor = {"device_type": current_device_type(), "placements": placements,
+                   "mesh_shape": list(mesh.shape) if mesh is not None else [],
+                   "mesh_dim_names": list(mesh.mesh_dim_names or ()) if mesh is not None else []}
+        return RankState(specs, lambda key: host_copy(sources[key]),
+                         {"engine": self.checkpoint_layout, "devices": self.rank_world(model)[1], "tensors": entries,
+                          "optimizer": optim, "dtensor": dtensor})
+
+    def restore(self, ckpt_dir: Path, marker: dict[str, Any], model: nn.Module,
+                optimizer: Optional[torch.optim.Optimizer]) -> Restored:
+        """Each tensor's rows this process holds, read from the saved pieces that cover them (any saved world size,
+        this engine's or XLA FSDP v2's files)."""
+        files = [open_listed(ckpt_dir, marker, name) for name in sorted(marker["files"])]
+        entries = merge_pieces(files)
+        wanted = _unique_state(model)
+        missing = [n for n in wanted if n not in entries]
+        saved_model = {n for n in entries if n.startswith(MODEL_PREFIX)}
+        if missing or len(wanted) != len(saved_model):
+            extra = sorted(saved_model - set(wanted))
+            raise CheckpointError(f"{ckpt_dir} was saved from a different model: missing {missing[:3]}, unexpected {extra[:3]}")
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for name, t in wanted.items():
+                if tuple(entries[name]["shape"]) != tuple(t.shape):
+                    raise CheckpointError(f"{name} is {entries[name]['shape']} in {ckpt_dir} but {list(t.shape)} in the "
+                                          "model")
+                local = t.to_local() if isinstance(t, DTensor) else t
+                local.copy_(_read_local(entries[name], t))
+            if optimizer is not None:
+                self._restore_optimizer(optimizer, model, files[0].meta, entries, files[0].path.with_suffix(".json"))
+        for f in files:  # the checksums of the tensors read only in part
+            f.finish_verification()
+        rank, _ = self.rank_world(model)
+        meta = files[0].meta
+        return Restored(meta, files[rank % len(files)],
+                        {"saved_world_size": len(files), "saved_devices": meta.get("devices")})
+
+    def _restore_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module, meta: dict[str, Any],
+                           entries: dict[str, dict[str, Any]], source: Path) -> None:
+        from torch.distributed.tensor import DTensor
+
+        saved = saved_optimizer(meta, model, optimizer, self.checkpoint_name, source=source)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for name, entry in entries.items():
+            key = optimizer_tensor_key(name)
+            if key is None:
+                continue
+            param = params[key[0]]
+            if isinstance(param, DTensor) and tuple(entry["shape"]) == tuple(param.shape):
+                local = _read_local(entry, param).to(param.to_local().device)
+                value: Any = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                                stride=param.stride(), run_check=False)
+            else:  # a step counter: the same on every process
+                value = read_pieces(entry)
+            state.setdefault(key[0], {})[key[1]] = value
+        load_optimizer_state(optimizer, saved, state)
+
+    def sync(self) -> None:
+        if current_device_type() != "cpu":
+            torch.get_device_module(current_device_type()).synchronize()
+
+    def rng_state(self) -> Any:
+        return None  # the torch CPU state is saved by every engine; an accelerator's generator is not (yet)
+
+    def set_rng_state(self, state: Any) -> None:
+        """Nothing: an XLA RNG state (from a v2 checkpoint) means nothing here."""
+
+    def collectives(self, thread_safe: bool = False) -> Optional[Collectives]:
+        from ..checkpoint.codec import SINGLE_PROCESS
+        from ..runtime import thread_safe_collectives
+
+        # a gloo group of its own, whatever the training backend (monitored barriers and object gathers need gloo)
+        safe = thread_safe_collectives()
+        if safe is None:
+            return None if thread_safe else SINGLE_PROCESS
+        return Collectives(*safe)

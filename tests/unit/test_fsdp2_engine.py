@@ -1,0 +1,105 @@
+"""Engine fsdp2's parts that need no process group: the device and backend choice (TorchTPU's included, through a
+stand-in package, since no TPU is here), the mesh layout, the engine registry and the readers of its rank files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, SCRIPTS, fsdp2_env
+
+from hf_xla_fsdp.checkpoint.readers import read_pieces, read_rows_of_pieces
+from hf_xla_fsdp.errors import CheckpointError, ConfigError
+
+FAKE_TPU = SCRIPTS / "fake_torch_tpu"
+
+PROBE = """
+import json, sys
+from hf_xla_fsdp import XlaFsdpPlugin
+from hf_xla_fsdp.engines import engine_for
+from hf_xla_fsdp.engines.fsdp2 import resolve_device
+out = {"device": resolve_device(), "default_engine": XlaFsdpPlugin().engine,
+       "engine": engine_for(XlaFsdpPlugin()).name}
+try:
+    engine_for(XlaFsdpPlugin(engine="xla"))
+except Exception as err:
+    out["xla_error"] = f"{type(err).__name__}: {err}"
+out["torch_xla_imported"] = "torch_xla" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def probe(pythonpath: list, env: dict | None = None) -> dict:
+    """What a fresh process with torch_xla unimportable picks, and whether it imported torch_xla."""
+    full = fsdp2_env({"PYTHONPATH": ":".join(map(str, [*pythonpath, SCRIPTS / "no_torch_xla"])), **(env or {})},
+                     block_xla=False)
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=full, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_torch_tpu_device_and_backend_are_chosen_without_torch_xla():
+    # torch_tpu 0.2.0 renames PrivateUse1 to "tpu" and registers backend tpu_dist for it (its _loader.load); the
+    # stand-in registers the same, so the choice is what a TPU VM with TorchTPU gets
+    found = probe([FAKE_TPU])
+    assert found["device"] == ["tpu", "tpu_dist"]
+    assert found["default_engine"] == "fsdp2" and found["engine"] == "fsdp2"
+    assert not found["torch_xla_imported"]
+    # the XLA engines need torch_xla: one line naming the fix
+    assert found["xla_error"] == ("ConfigError: FSDP v1 (XlaFullyShardedDataParallel) needs torch_xla, which is not "
+                                  "installed: pip install 'hf_xla_fsdp[xla]', or use engine='fsdp2' (torch's own "
+                                  "FSDP2, no torch_xla)")
+
+
+def test_the_device_can_be_forced():
+    # (with nothing forced and no accelerator, cpu/gloo: what every torchrun test here runs on)
+    forced = probe([FAKE_TPU], {"HF_XLA_FSDP_DEVICE": "cpu"})
+    assert forced["device"] == ["cpu", "gloo"] and not forced["torch_xla_imported"]
+
+
+def test_mesh_layout():
+    from hf_xla_fsdp.engines.fsdp2 import mesh_layout
+
+    assert mesh_layout(4, 1) == ((4,), ("fsdp",))
+    assert mesh_layout(8, 2) == ((2, 4), ("replica", "fsdp"))  # HSDP: shards within a group, replicas across
+    with pytest.raises(ConfigError, match="replica_size=3 does not divide the 4 processes"):
+        mesh_layout(4, 3)
+
+
+def test_the_engine_is_registered_under_its_key_and_imports_no_runtime():
+    from hf_xla_fsdp import XlaFsdpPlugin
+    from hf_xla_fsdp.engines import ENGINES, engine_for
+
+    engine = engine_for(XlaFsdpPlugin(engine="fsdp2"))
+    assert ENGINES["fsdp2"] is engine and engine.runtime_module is None and not engine.compiles_graphs
+    assert engine.checkpoint_layout == ENGINES[2].checkpoint_layout  # the pieces layout: XLA v2 <-> fsdp2 resumes
+
+
+class _File:
+    """A rank file holding named tensors (piece keys are unique within a file only)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def get_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        return self.tensors[key][start:stop]
+
+
+def test_pieces_of_several_files_with_the_same_keys_assemble():
+    full = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    # two processes each named their piece "#0"; XLA FSDP v2 also splits some tensors on dim 1
+    entry = {"shape": [6, 8], "dtype": "float32", "pieces": [
+        {"key": "w#0", "start": [0, 0], "stop": [6, 4], "file": _File({"w#0": full[:, :4].clone()})},
+        {"key": "w#0", "start": [0, 4], "stop": [6, 8], "file": _File({"w#0": full[:, 4:].clone()})}]}
+    assert torch.equal(read_pieces(entry), full)
+    assert torch.equal(read_rows_of_pieces(entry, 2, 5), full[2:5])  # only the rows a process of 2 holds
+    assert read_rows_of_pieces(entry, 6, 6).shape == (0, 8)  # a process holding no rows (uneven split)
+    entry["pieces"].pop()
+    with pytest.raises(CheckpointError, match="cover 12 of the 24 elements of its rows 1:4"):
+        read_rows_of_pieces(entry, 1, 4)
