@@ -51,9 +51,10 @@ def test_trainer_on_fsdp2_equals_the_stock_cpu_trainer_consolidates_and_resumes(
     run = torchrun(2, [SCRIPT, *model, "--output_dir", resumed, "--optim", "adamw_torch", "--per_device_train_batch_size",
                        "4", "--resume", ours / "adamw_torch" / "checkpoint-3"])
     assert run.returncode == 0, run.stderr[-6000:]
-    after = losses(resumed, "adamw_torch")
-    assert sorted(after) == ["4", "5", "6"]
-    assert after == pytest.approx({k: v for k, v in losses(ours, "adamw_torch").items() if k in after}, abs=1e-5)
+    after, before = losses(resumed, "adamw_torch"), losses(ours, "adamw_torch")
+    assert sorted(after) == ["1", "2", "3", "4", "5", "6"]  # steps 1-3 come back with the checkpoint's trainer state
+    # 2 processes reduce in another order than 4: 5e-7 was measured
+    assert [after[k] for k in "456"] == pytest.approx([before[k] for k in "456"], abs=1e-5)
 
     # `hf-xla-fsdp consolidate` of the last checkpoint (no torch_xla) is the final model the Trainer saved, and it
     # computes the stock Trainer's final model's loss
