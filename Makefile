@@ -8,7 +8,7 @@ export PJRT_DEVICE ?= CPU
 # the oldest supported combination (constraints/oldest.txt), installed fresh by `make test-matrix`
 OLDEST ?= .venv-oldest
 
-.PHONY: quickstart test test-matrix docs clean-venv
+.PHONY: quickstart quickstart-fsdp2 test test-matrix test-no-xla docs clean-venv
 
 # setup.cfg declares ranges; CI installs the exact versions it was tested with (constraints/tested.txt)
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
@@ -19,6 +19,11 @@ $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py --output_dir runs/quickstart
+
+# the same example on engine fsdp2 (torch's own FSDP2, no torch_xla used) in 2 processes, started as torchrun does
+quickstart-fsdp2: $(STAMP)
+	$(VENV)/bin/hf-xla-fsdp launch --num_processes 2 examples/quickstart.py --output_dir runs/quickstart-fsdp2 \
+		--fsdp_config examples/fsdp2_config.json
 
 # two workers, each taking whole files (module fixtures are built once): the suite mostly waits on subprocesses'
 # imports and compiles, which leave part of the 2 cores idle

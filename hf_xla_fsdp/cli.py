@@ -32,6 +32,8 @@ def _plan_plugin(args: argparse.Namespace) -> XlaFsdpPlugin:
         changes["activation_checkpointing"] = True
     if args.compute_dtype is not None:
         changes["compute_dtype"] = None if args.compute_dtype == "float32" else args.compute_dtype
+    if args.engine is not None:
+        changes["engine"] = args.engine
     if args.engine_version is not None:
         changes["version"] = args.engine_version
     if args.tensor_parallel_size is not None:
@@ -283,8 +285,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "adafactor"],
                    help="with --tpu: whose state to count (sgd: torch's default, no momentum)")
     p.add_argument("--compute-dtype", "--compute_dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--engine", default=None, choices=["xla", "fsdp2"],
+                   help="xla (PyTorch/XLA; --version picks v1 or v2) or fsdp2 (torch's fully_shard, e.g. on TorchTPU)")
     p.add_argument("--version", "--fsdp-version", dest="engine_version", type=int, default=None,
-                   choices=[1, 2], help="FSDP engine: 1 (XlaFullyShardedDataParallel) or 2 (SPMD)")
+                   choices=[1, 2], help="XLA FSDP engine: 1 (XlaFullyShardedDataParallel) or 2 (SPMD)")
     p.add_argument("--tensor-parallel-size", "--tensor_parallel_size", type=int, default=None,
                    help="with --tpu, FSDP v2: split blocks over T chips (a replica x fsdp x tensor mesh); without it "
                         "the plan proposes the smallest T that fits")

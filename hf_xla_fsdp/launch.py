@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="settings (JSON file or inline JSON) for scripts that name none themselves")
     parser.add_argument("--num_processes", "--num-processes", type=int, default=None,
                         help="FSDP v1: processes on this host, started with xmp.spawn as accelerate does on XLA "
-                             "(XLA:CPU: sets CPU_NUM_DEVICES). FSDP v2 runs one process per host")
+                             "(XLA:CPU: sets CPU_NUM_DEVICES); engine fsdp2: started as torchrun does (one per "
+                             "device). FSDP v2 runs one process per host")
     parser.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
                         help="as accelerate's: the compute dtype of Accelerator scripts")
     parser.add_argument("--no_pod_check", action="store_true",
@@ -133,23 +134,26 @@ def compare_fingerprints(fingerprints: Sequence[dict[str, Any]]) -> Optional[str
     return None
 
 
-def exchange_fingerprints(fingerprint: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every process's fingerprint (the runtime's all-gather); this one alone in a single process."""
-    from . import runtime
+def exchange_fingerprints(fingerprint: dict[str, Any], engine: Any = None) -> list[dict[str, Any]]:
+    """Every process's fingerprint (the engine's runtime's all-gather; the XLA runtime's without an engine); this one
+    alone in a single process."""
+    if engine is None:
+        from .engines.base import Engine
 
-    if runtime.process_count() <= 1:
+        engine = Engine()
+    if engine.process_count() <= 1:
         return [fingerprint]
     try:
-        payloads = runtime.all_gather_bytes(json.dumps(fingerprint).encode(), tag="hf_xla_fsdp.launch.pod_check")
+        payloads = engine.gather_bytes(json.dumps(fingerprint).encode(), tag="hf_xla_fsdp.launch.pod_check")
     except ConfigError as err:  # several SPMD hosts without torch.distributed: nothing to gather with yet
         logger.warning("pod check skipped: %s", err)
         return [fingerprint]
     return [json.loads(p) for p in payloads]
 
 
-def check_pod(fingerprint: dict[str, Any]) -> None:
+def check_pod(fingerprint: dict[str, Any], engine: Any = None) -> None:
     """Raise the one-line ConfigError of :func:`compare_fingerprints` when a host differs."""
-    problem = compare_fingerprints(exchange_fingerprints(fingerprint))
+    problem = compare_fingerprints(exchange_fingerprints(fingerprint, engine))
     if problem:
         raise ConfigError(problem)
 
@@ -174,11 +178,19 @@ def _start(plan: dict[str, Any]) -> None:
 
     plugin = XlaFsdpPlugin.from_dict(plan["settings"]) if plan["settings"] is not None else None
     launched.install_launch(plugin)
-    if plugin is not None and plugin.version == 2:
+    if plugin is not None:  # what the engine needs before the script uses the device (v2: SPMD; fsdp2: its group)
         startup.setup_runtime(plugin, what="the launcher")
     if not plan["no_pod_check"]:
-        check_pod(plan["fingerprint"])
+        check_pod(plan["fingerprint"], _engine(plan))
     run_target(plan["target"], plan["module"], plan["script_args"])
+
+
+def _engine(plan: dict[str, Any]) -> Any:
+    """The engine the plan's settings select (the default settings' when there are none)."""
+    from .engines import engine_for
+    from .plugin import XlaFsdpPlugin
+
+    return engine_for(XlaFsdpPlugin.from_dict(plan["settings"] or {}), require_runtime=False)
 
 
 def _spawned(index: int, plan: dict[str, Any]) -> None:
@@ -215,11 +227,16 @@ def prepare(ns: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(yaml, dict):
         raise ConfigError(f"accelerate config file {ns.config_file} must hold a mapping")
     plugin = launch_settings(ns.script_args, ns.config_file, ns.fsdp_config)
-    version = plugin.version if plugin is not None else 1
+    from .engines import engine_for
+    from .plugin import XlaFsdpPlugin
+
+    engine = engine_for(plugin if plugin is not None else XlaFsdpPlugin())
     processes = ns.num_processes if ns.num_processes is not None else yaml.get("num_processes")
-    if version == 2 and processes not in (None, 1, "1"):
+    if engine.spmd and processes not in (None, 1, "1"):
         raise ConfigError(f"num_processes={processes}: FSDP v2 (SPMD) drives every device of a host from one process; "
                           "drop num_processes (or set it to 1)")
+    if engine.started_by_launcher():  # already one of the processes a launcher (torchrun) started: run the script
+        processes = None
     if ns.config_file:
         os.environ.setdefault(ENV_CONFIG, os.path.abspath(ns.config_file))  # for XlaFsdpAccelerator() in the script
     precision = ns.mixed_precision or yaml.get("mixed_precision")
@@ -227,7 +244,7 @@ def prepare(ns: argparse.Namespace) -> dict[str, Any]:
         os.environ.setdefault("ACCELERATE_MIXED_PRECISION", str(precision))  # as accelerate launch exports it
     settings = plugin.to_dict() if plugin is not None else None
     return {"target": target, "module": ns.module, "script_args": list(ns.script_args), "settings": settings,
-            "no_pod_check": ns.no_pod_check, "spawn": version == 1 and processes is not None,
+            "no_pod_check": ns.no_pod_check, "spawn": not engine.spmd and processes is not None,
             "processes": int(processes) if processes is not None else None,
             "fingerprint": launch_fingerprint(target, ns.module, ns.script_args, settings or {})}
 
@@ -236,6 +253,9 @@ def launch(ns: argparse.Namespace) -> int:
     """Run the launch described by parsed arguments; 2 (one line on stderr) for bad input."""
     try:
         plan = prepare(ns)
+        started = _engine(plan).start_processes(plan["processes"], _child_arguments(ns)) if plan["spawn"] else None
+        if started is not None:  # the engine's own launcher ran every process (fsdp2: as torchrun does)
+            return started
         if plan["spawn"]:
             if os.environ.get("PJRT_DEVICE", "CPU").upper() == "CPU" and plan["processes"] is not None:
                 os.environ["CPU_NUM_DEVICES"] = str(plan["processes"])  # XLA:CPU's device count is the process count
@@ -248,6 +268,20 @@ def launch(ns: argparse.Namespace) -> int:
         print(f"hf-xla-fsdp launch: error: {err}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def _child_arguments(ns: argparse.Namespace) -> list[str]:
+    """The launcher's command line for each process an engine starts: the same settings and script, no process count."""
+    out = []
+    for flag, value in (("--config_file", ns.config_file), ("--fsdp_config", ns.fsdp_config),
+                        ("--mixed_precision", ns.mixed_precision)):
+        if value is not None:
+            out += [flag, str(value)]
+    if ns.no_pod_check:
+        out.append("--no_pod_check")
+    if ns.module:
+        out.append("-m")
+    return [*out, "--", ns.script, *ns.script_args]
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m hf_xla_fsdp.launch") -> int:

@@ -10,8 +10,8 @@ from torch import nn
 
 from .runtime import sync, xla_device
 
-__all__ = ["accuracy", "arithmetic_lm_batches", "clip_grad_norm", "evaluate", "perplexity", "sync", "to_device",
-           "train_step", "xla_device"]
+__all__ = ["accuracy", "arithmetic_lm_batches", "clip_grad_norm", "device_of", "evaluate", "is_main_process", "perplexity",
+           "process_rows", "sync", "to_device", "train_step", "xla_device"]
 
 
 def arithmetic_lm_batches(
@@ -34,6 +34,33 @@ def arithmetic_lm_batches(
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Move every tensor of a batch to ``device``."""
     return {k: v.to(device) for k, v in batch.items()}
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """The device this process computes ``model`` on (its engine's: the XLA device, or fsdp2's CPU / accelerator)."""
+    from .engines import engine_of
+
+    return engine_of(model).device()
+
+
+def process_rows(batch: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """This process's rows of a global ``batch`` when ``model``'s engine runs one process per device (engine fsdp2:
+    process i of n takes rows i*B/n to (i+1)*B/n); the whole batch otherwise (SPMD splits it over the devices)."""
+    from .engines import engine_of
+
+    engine = engine_of(model)
+    if engine.spmd or not engine.multi_process():
+        return batch
+    index, count = engine.process_index(), engine.process_count()
+    return {k: v.tensor_split(count)[index] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def is_main_process(model: nn.Module) -> bool:
+    """True in the first process of ``model``'s engine (the one that writes shared outputs)."""
+    from .engines import engine_of
+
+    engine = engine_of(model)
+    return not engine.multi_process() or engine.process_index() == 0
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -78,6 +105,16 @@ def train_step(
     return loss
 
 
+def _settle(model: nn.Module, device: torch.device) -> None:
+    """Let the pending work of ``model`` (wrapped or not) finish before values are read."""
+    from .engines import engine_of, is_wrapped
+
+    if is_wrapped(model):
+        engine_of(model).sync()
+    elif device.type == "xla":
+        sync()
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: torch.device) -> float:
     """Mean loss of ``model`` over ``batches``."""
@@ -86,7 +123,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: t
     losses = []
     for batch in batches:
         losses.append(model(**to_device(batch, device)).loss)
-    sync()
+    _settle(model, device)
     model.train(was_training)
     return float(torch.stack([loss.cpu() for loss in losses]).mean())
 
@@ -103,7 +140,7 @@ def accuracy(model: nn.Module, batches: list[dict[str, torch.Tensor]], device: t
     model.eval()
     preds = [model(**to_device({k: v for k, v in b.items() if k != "labels"}, device)).logits.argmax(-1)
              for b in batches]
-    sync()
+    _settle(model, device)
     model.train(was_training)
     predicted = torch.cat([p.cpu() for p in preds])
     labels = torch.cat([b["labels"] for b in batches])

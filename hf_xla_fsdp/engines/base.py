@@ -78,6 +78,14 @@ class Engine:
     checkpoint_layout: str = ""
     #: one process drives every device (SPMD) instead of one process per device
     spmd: bool = False
+    #: :meth:`setup_runtime` must run before anything else (TrainingArguments, accelerate's state) takes the device
+    setup_first: bool = False
+    #: a rank holds flattened, padded shards (FSDP v1) rather than dim-0 row pieces of each parameter (the planner)
+    flat_shards: bool = False
+
+    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+        """True when the root unit's parameters stay gathered for the whole step (the planner's working set)."""
+        return False
     #: the module the engine's runtime lives in (None: torch itself), and the extra that installs it
     runtime_module: Optional[str] = "torch_xla"
     runtime_extra: str = "xla"
@@ -102,6 +110,12 @@ class Engine:
         return (f"{self.title} needs {self.runtime_module}, which is not installed: pip install "
                 f"'hf_xla_fsdp[{self.runtime_extra}]', or use engine='fsdp2' (torch's own FSDP2, no torch_xla)")
 
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        from ..runtime import xla_device
+
+        return xla_device()
+
     def multi_process(self) -> bool:
         """True when several processes of this engine's runtime take part."""
         from ..runtime import multi_process
@@ -113,6 +127,29 @@ class Engine:
         from ..runtime import process_index
 
         return process_index()
+
+    def process_count(self) -> int:
+        """Number of processes of the runtime."""
+        from ..runtime import process_count
+
+        return process_count()
+
+    def gather_bytes(self, payload: bytes, tag: str) -> list[bytes]:
+        """Every process's ``payload`` on every process, in process order (every process calls it)."""
+        from ..runtime import all_gather_bytes
+
+        return all_gather_bytes(payload, tag=tag)
+
+    # ----------------------------------------------------------------- launching
+    def started_by_launcher(self) -> bool:
+        """True in a process that a launcher of this engine's processes started (it must not start more)."""
+        return False
+
+    def start_processes(self, count: int, launcher_arguments: list[str]) -> Optional[int]:
+        """Start ``count`` processes on this host, each running ``python -m hf_xla_fsdp.launch *launcher_arguments``,
+        wait for them and return the exit code; None when the engine leaves starting processes to the launcher
+        (``xmp.spawn`` for FSDP v1)."""
+        return None
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:

@@ -309,11 +309,22 @@ class Fsdp2(Engine):
     runtime_module = None
     compiles_graphs = False
     fused_optimizers = True
+    setup_first = True  # accelerate's state (built by TrainingArguments) must see the process group and device
+
+    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+        return True  # fully_shard keeps the root's parameters from forward to backward (reshard_after_forward=None)
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
         _refuse_xla_runtime(what)
         get_mesh(plugin)  # the process group, the device, and the mesh, before any model exists
+        if current_device_type() == "cpu":
+            # accelerate counts CPU processes (MULTI_CPU: every process its own batches) only when told it runs on
+            # the CPU; its state is built later (by TrainingArguments or the Accelerator) and reads this
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+    def device(self) -> torch.device:
+        return device()
 
     def multi_process(self) -> bool:
         import torch.distributed as dist
@@ -324,6 +335,44 @@ class Fsdp2(Engine):
         import torch.distributed as dist
 
         return dist.get_rank() if dist.is_initialized() else 0
+
+    def process_count(self) -> int:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return dist.get_world_size()
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def gather_bytes(self, payload: bytes, tag: str) -> list[bytes]:
+        collectives = self.collectives()
+        assert collectives is not None  # (a group of one without torch.distributed)
+        return collectives.gather(tag, payload)
+
+    # ----------------------------------------------------------------- launching
+    def started_by_launcher(self) -> bool:
+        return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+    def start_processes(self, count: int, launcher_arguments: list[str]) -> Optional[int]:
+        """``count`` processes on this host as ``torchrun --standalone --nproc_per_node count`` starts them, each
+        ``python -m hf_xla_fsdp.launch`` with the same settings (several hosts: run torchrun with ``-m
+        hf_xla_fsdp.launch`` on each, as for any torch.distributed job). transformers and accelerate are told to leave
+        torch_xla alone (``USE_TORCH_XLA=0``) where it is installed; on a TPU VM TorchTPU's launch environment is set
+        first (its ``set_tpu_launch_env``: the slice's addresses and topology, decided in this process)."""
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import get_args_parser, run
+
+        os.environ.setdefault("USE_TORCH_XLA", "0")
+        tpu = getattr(getattr(torch, "tpu", None), "distributed", None)
+        if tpu is not None and hasattr(tpu, "set_tpu_launch_env"):
+            tpu.set_tpu_launch_env(nproc_per_node=count)
+        args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={count}", "-m", "hf_xla_fsdp.launch",
+                                             *launcher_arguments])
+        try:
+            run(args)
+        except ChildFailedError as err:  # torchrun printed which process failed and how
+            codes = [failure.exitcode for failure in err.failures.values()]
+            return next((c for c in codes if c > 0), 1)
+        return 0
 
     # ----------------------------------------------------------------- wrapping
     def unit_class(self) -> type:

@@ -201,9 +201,13 @@ class XlaFsdpV1(Engine):
     name = "xla_fsdp_v1"
     title = "FSDP v1 (XlaFullyShardedDataParallel)"
     checkpoint_layout = LAYOUT_FLAT
+    flat_shards = True
     #: build units with :func:`host_sharding_unit_class` (False: stock ``XlaFullyShardedDataParallel``, the
     #: reference the tests compare it with)
     host_sharding = True
+
+    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+        return plugin.disable_reshard_on_root
 
     def unit_class(self) -> type:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel

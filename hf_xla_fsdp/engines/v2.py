@@ -296,6 +296,7 @@ class XlaFsdpV2(Engine):
     title = "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"
     checkpoint_layout = LAYOUT_PIECES
     spmd = True
+    setup_first = True
 
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
         enable_spmd(what=what)

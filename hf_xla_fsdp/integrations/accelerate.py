@@ -318,8 +318,10 @@ class XlaFsdpAccelerator(Accelerator):
         that gathers the full weights first, so the usual final save of accelerate scripts writes a
         correct ``from_pretrained``-ready directory.
         """
-        inner = self.xla_fsdp_session.unwrap(model) if is_wrapped(model) else model
-        if inner is not model and hasattr(inner, "save_pretrained") and not hasattr(inner, _OWN_SAVE):
+        wrapped = is_wrapped(model)
+        inner = self.xla_fsdp_session.unwrap(model) if wrapped else model
+        # (an engine that shards in place, fsdp2, returns the model itself: its parameters are still shards)
+        if wrapped and hasattr(inner, "save_pretrained") and not hasattr(inner, _OWN_SAVE):
             original = type(inner).save_pretrained
             inner.save_pretrained = functools.partial(self._save_pretrained, model, inner, original)
             setattr(inner, _OWN_SAVE, True)

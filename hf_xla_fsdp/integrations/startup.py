@@ -41,9 +41,9 @@ def enable_spmd_if_configured(argv: Optional[list[str]] = None) -> bool:
     if settings is None:
         return False
     session = XlaFsdpSession(XlaFsdpPlugin.from_fsdp_config(settings))
-    if session.engine.spmd:
+    if session.engine.setup_first:
         session.setup_runtime()
-    return session.engine.spmd
+    return session.engine.setup_first
 
 
 def auto_spmd(fsdp_config: Any, what: str) -> None:
@@ -62,7 +62,7 @@ def auto_spmd(fsdp_config: Any, what: str) -> None:
         session = XlaFsdpSession(XlaFsdpPlugin.from_fsdp_config(fsdp_config))
     except (ConfigError, ValueError, TypeError):  # not ours to judge here: XlaFsdpTrainer reports it with the rest
         return
-    if session.engine.spmd:
+    if session.engine.setup_first:
         session.setup_runtime(what=what)
 
 
@@ -86,7 +86,7 @@ def patch_training_arguments() -> None:
         if getattr(self, "fsdp", None):
             auto_spmd(getattr(self, "fsdp_config", None), what)
         plugin = launch_plugin()  # a launched script: the launch settings may ask for v2 without any flag
-        if plugin is not None and plugin.version == 2:
+        if plugin is not None:
             setup_runtime(plugin, what)
         return original.func(self)
 
@@ -162,10 +162,13 @@ _launch: dict[str, Any] = {"resolve": None, "plugin": None, "resolved": False}
 
 
 def setup_runtime(plugin: XlaFsdpPlugin, what: str) -> None:
-    """The XLA runtime as ``plugin``'s engine needs it (FSDP v2: SPMD), or the one line saying why it is too late."""
+    """The runtime as ``plugin``'s engine needs it before the device is used (FSDP v2: SPMD; fsdp2: the process group),
+    or the one line saying why it is too late; nothing for an engine that sets up later."""
     from ..session import XlaFsdpSession
 
-    XlaFsdpSession(plugin).setup_runtime(what=what)
+    session = XlaFsdpSession(plugin)
+    if session.engine.setup_first:
+        session.setup_runtime(what=what)
 
 
 def set_launch_settings(plugin: Optional[XlaFsdpPlugin] = None, resolve: Optional[Callable[[], Any]] = None) -> None:

@@ -297,8 +297,11 @@ def tensor_parallel_shards(m: _Model, plugin: "XlaFsdpPlugin", chips: int, tenso
 def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, batch: int, seq: int,
               checkpointing: bool, compute: Optional[torch.dtype]) -> dict[str, Any]:
     """Bytes per chip for ``chips`` chips (exact parts and estimates)."""
-    version = plugin.version
-    if version == 1:
+    from ..engines import engine_for
+
+    engine = engine_for(plugin, require_runtime=False)  # the planner runs nothing: no runtime needed
+    version = plugin.engine_key
+    if engine.flat_shards:
         by_unit = v1_shard_shapes([ps for _, ps in m.units], chips, plugin)
         shard_shapes = [s for unit in by_unit for s in unit]
         # the all-gather output: every rank's padded shard
@@ -322,7 +325,7 @@ def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, ba
     # ESTIMATE of the gathered working set: the root stays gathered for the whole step (disable_reshard_on_root,
     # v1's default; v2 gathers it like any unit), plus one nested unit's full parameters and full gradients in
     # backward (before the reduce-scatter); root only (zero2): the whole model's parameters and gradients
-    root_kept = version == 1 and plugin.disable_reshard_on_root
+    root_kept = engine.root_stays_gathered(plugin)
     if not nested:
         gathered = 2 * root * elem
     else:
@@ -333,7 +336,7 @@ def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, ba
     exact = params + params + optim + buffers
     total = exact + gathered + acts["used"]
     mesh = ({"replica": plugin.replica_size, "fsdp": chips // (plugin.replica_size * tensor), "tensor": tensor}
-            if version == 2 else None)
+            if not engine.flat_shards else None)
     return {
         "chips": chips, "mesh": mesh,
         "parameters": params, "gradients": params, "optimizer_state": optim, "buffers": buffers,
@@ -398,7 +401,7 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
         "model": m.class_name, "total_params": m.total_params,
         "tpu": {"slice": slc.name, "chips": slc.chips, "hbm_per_chip": hbm, "source": slc.generation.source},
         "mesh": here["mesh"],
-        "settings": {"version": plugin.version, "sharding": plugin.sharding, "optimizer": optimizer,
+        "settings": {"engine": plugin.engine, "version": plugin.version, "sharding": plugin.sharding, "optimizer": optimizer,
                      "batch_size_per_chip": batch_size, "seq_len": seq, "activation_checkpointing": ckpt,
                      "compute_dtype": str(compute or torch.float32).removeprefix("torch."),
                      "flatten_parameters": plugin.flatten_parameters,
@@ -518,7 +521,8 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{t['hbm_per_chip'] / GIB:.0f} GiB HBM",
         *([f"mesh: replica {report['mesh']['replica']} x fsdp {report['mesh']['fsdp']} x tensor "
            f"{report['mesh']['tensor']}"] if report.get("mesh") else []),
-        f"settings: FSDP v{s['version']} {s['sharding']}, {s['optimizer']}, batch {s['batch_size_per_chip']}/"
+        f"settings: {'FSDP2' if s.get('engine') == 'fsdp2' else 'FSDP v' + str(s['version'])} {s['sharding']}, "
+        f"{s['optimizer']}, batch {s['batch_size_per_chip']}/"
         f"{'chip' if s.get('tensor_parallel_size', 1) == 1 else str(s['tensor_parallel_size']) + ' chips'} x "
         f"{s['seq_len']} tokens, compute {s['compute_dtype']}, activation checkpointing "
         f"{'on' if s['activation_checkpointing'] else 'off'}",

@@ -42,16 +42,27 @@ def plan(source: Any, plugin: "XlaFsdpPlugin", world_size: int = 1) -> dict[str,
     model = sk.model
     blocks = plan_blocks(model, plugin).units
     units = unit_params(model, blocks)
+    from ..engines import engine_for
+
+    flat = engine_for(plugin, require_runtime=False).flat_shards
+
+    def shard_bytes(p: Any) -> int:
+        if flat:  # flattened, padded to a multiple of world * 128 (XlaFullyShardedDataParallel)
+            return _padded_numel(p.numel(), world_size) // world_size * p.element_size()
+        rows = -(-p.shape[0] // world_size) if p.dim() else 0  # dim-0 rows, as many as the fullest rank's
+        return (rows * (p.numel() // p.shape[0]) if p.dim() else p.numel()) * p.element_size()
+
     per_unit = []
     for name, params in units.items():
         numel = sum(p.numel() for p in params)
         nbytes = sum(p.numel() * p.element_size() for p in params)
-        shard = sum(_padded_numel(p.numel(), world_size) // world_size * p.element_size() for p in params)
+        shard = sum(shard_bytes(p) for p in params)
         per_unit.append({"unit": name or "<root>", "params": numel, "bytes": nbytes, "bytes_per_rank": shard})
     total = sum(u["params"] for u in per_unit)
     return {
         "model": type(model).__name__,
         "world_size": world_size,
+        "engine": plugin.engine_key,
         "sharding": plugin.sharding,
         "num_units": len(per_unit),
         "total_params": total,

@@ -103,3 +103,22 @@ def test_pieces_of_several_files_with_the_same_keys_assemble():
     entry["pieces"].pop()
     with pytest.raises(CheckpointError, match="cover 12 of the 24 elements of its rows 1:4"):
         read_rows_of_pieces(entry, 1, 4)
+
+
+def test_the_planner_sizes_fsdp2_shards_as_dim0_rows(llama_config):
+    from hf_xla_fsdp import XlaFsdpPlugin
+    from hf_xla_fsdp.planning.tpu import chip_memory
+    from hf_xla_fsdp.planning.units import plan
+
+    ours, v1 = XlaFsdpPlugin(engine="fsdp2"), XlaFsdpPlugin(engine="xla")
+    report = plan(llama_config, ours, world_size=3)
+    # fully_shard gives each of 3 ranks at most ceil(rows / 3) rows of every parameter (torch.chunk), no flat padding
+    expected = 0
+    for name, rows, cols in [("embed", 128, 64), ("lm_head", 128, 64), ("norm", 64, 1)]:
+        expected += -(-rows // 3) * cols * 4
+    per_layer = [(64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128), (64, 1), (64, 1)]
+    expected += llama_config.num_hidden_layers * sum(-(-rows // 3) * cols * 4 for rows, cols in per_layer)
+    assert report["engine"] == "fsdp2" and report["bytes_per_rank"] == expected
+    assert plan(llama_config, v1, world_size=3)["bytes_per_rank"] > expected  # v1 pads to multiples of 3 * 128
+    chip = chip_memory(llama_config, ours, 4)
+    assert chip["mesh"] == {"replica": 1, "fsdp": 4, "tensor": 1}
