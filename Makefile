@@ -7,6 +7,8 @@ export PJRT_DEVICE ?= CPU
 
 # the oldest supported combination (constraints/oldest.txt), installed fresh by `make test-matrix`
 OLDEST ?= .venv-oldest
+# a newer torch without torch_xla (constraints/no-xla.txt), installed fresh by `make test-no-xla`
+NOXLA ?= .venv-no-xla
 
 .PHONY: quickstart quickstart-fsdp2 test test-matrix test-no-xla docs clean-venv
 
@@ -14,7 +16,7 @@ OLDEST ?= .venv-oldest
 $(STAMP): setup.cfg pyproject.toml constraints/tested.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]' -c constraints/tested.txt
+	$(PY) -m pip install --quiet -e '.[dev,xla]' -c constraints/tested.txt
 	@touch $(STAMP)
 
 quickstart: $(STAMP)
@@ -35,15 +37,28 @@ test: $(STAMP)
 test-matrix:
 	rm -rf $(OLDEST)
 	python3 -m venv $(OLDEST)
-	$(OLDEST)/bin/python -m pip install --quiet -e '.[finetune,examples,cloud]' pytest pytest-xdist wheel ruff \
+	$(OLDEST)/bin/python -m pip install --quiet -e '.[xla,finetune,examples,cloud]' pytest pytest-xdist wheel ruff \
 		-c constraints/oldest.txt
 	$(OLDEST)/bin/python -m pip check
 	$(OLDEST)/bin/hf-xla-fsdp env --no-devices
 	$(OLDEST)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests
+
+# the package without torch_xla, on a newer torch (the CPU-only 2.13 build): it imports, and engine fsdp2 trains; the
+# fast unit tier (tests that need torch_xla skip, with the reason: the `xla` marker, tests/conftest.py), then engine
+# fsdp2's tests (torchrun processes on the CPU; the XLA v2 <-> fsdp2 one skips)
+test-no-xla:
+	rm -rf $(NOXLA)
+	python3 -m venv $(NOXLA)
+	$(NOXLA)/bin/python -m pip install --quiet -e '.[finetune]' pytest pytest-xdist -c constraints/no-xla.txt
+	$(NOXLA)/bin/python -m pip check
+	$(NOXLA)/bin/python -c "import importlib.util, sys; sys.exit('torch_xla is installed' if importlib.util.find_spec('torch_xla') else 0)"
+	$(NOXLA)/bin/hf-xla-fsdp env --no-devices
+	$(NOXLA)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" tests/unit
+	$(NOXLA)/bin/python -m pytest -n 2 --dist load tests/e2e/test_fsdp2_trainer.py tests/integration/test_fsdp2.py
 
 # the documentation site (mkdocs.yml): strict, so a broken link or reference fails the build
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean-venv:
-	rm -rf $(VENV) $(OLDEST)
+	rm -rf $(VENV) $(OLDEST) $(NOXLA)

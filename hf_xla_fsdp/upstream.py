@@ -125,9 +125,10 @@ RELIED_ON: tuple[Upstream, ...] = (
 
 
 # The releases the fast test tier ran with, per package: (oldest, newest) of constraints/oldest.txt and
-# constraints/tested.txt (tests/unit/test_versions.py keeps them equal). Bump both when a combination is tested.
+# constraints/tested.txt / no-xla.txt (tests/unit/test_versions.py keeps them equal). Bump both when a combination is
+# tested.
 TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.9.0", "2.9.0"),
+    "torch": ("2.9.0", "2.13.0"),  # 2.13: the no-xla leg (constraints/no-xla.txt), engine fsdp2
     "torch_xla": ("2.9.0", "2.9.0"),
     "transformers": ("5.13.0", "5.23.0"),
     "accelerate": ("1.8.0", "1.15.0"),
@@ -141,7 +142,7 @@ TESTED: dict[str, tuple[str, str]] = {
 # What setup.cfg declares (install_requires and the finetune extra; the same test keeps them equal): pip refuses
 # anything outside, so a version outside these was forced in (--no-deps, a later install of another package)
 SUPPORTED: dict[str, str] = {
-    "torch": ">=2.9.0,<2.10",
+    "torch": ">=2.9.0,<2.16",  # torch_xla 2.9 (the [xla] extra) pins 2.9; torch-tpu 0.2.0 takes 2.11 to 2.15
     "torch_xla": ">=2.9.0,<2.10",
     "transformers": ">=5.13.0,<6",
     "accelerate": ">=1.8.0,<2",

@@ -71,7 +71,9 @@ def launch_settings(argv: Optional[Sequence[str]] = None, yaml_path: Union[str, 
     merged: dict[str, Any] = {}
     for i, (source, explicit, plugin) in enumerate(built):
         for other_source, other_explicit, other in built[:i]:
-            for key in sorted({"engine", "version"} | (set(explicit) & set(other_explicit))):
+            # the engine a source selects is compared even where it is implied (version absent means 1); engine
+            # only where both name it (an unnamed one is the installed runtime's default, not a choice)
+            for key in sorted({"version"} | (set(explicit) & set(other_explicit))):
                 if getattr(plugin, key) != getattr(other, key):
                     raise ConfigError(f"{other_source} and {source} disagree: {key}={getattr(other, key)!r} vs "
                                       f"{getattr(plugin, key)!r}; keep the setting in one place")

@@ -17,6 +17,8 @@ from helpers import ROOT, consolidate, run_python, tiny_llama
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
 from hf_xla_fsdp.config.sources import ENV_CONFIG, _config_from_cmdline, find_accelerate_config
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 plugin_from_accelerate_launch = XlaFsdpPlugin.from_accelerate_launch
 
 YAML = ROOT / "examples" / "xla_fsdp.yaml"

@@ -21,7 +21,7 @@ from helpers import ROOT, USER_SCRIPTS
 SCRIPTS = USER_SCRIPTS
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

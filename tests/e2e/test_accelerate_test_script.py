@@ -14,7 +14,7 @@ from helpers import SCRIPTS, USER_SCRIPTS, run_python
 
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 
 #: passing with stock accelerate too
 STOCK = ["Initialization", "split between processes as a dict", "split between processes evenly",

@@ -7,6 +7,8 @@ import json
 import pytest
 from helpers import ROOT, run_python
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 EXAMPLES = ROOT / "examples"
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import ROOT, USER_SCRIPTS, make_hook_venv, xla_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xla]  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 
 CONFIGS = USER_SCRIPTS / "configs"
 TOKENIZER = ROOT / "examples" / "tiny_tokenizer"

@@ -13,6 +13,8 @@ from helpers import ROOT, USER_SCRIPTS, run_python
 
 from hf_xla_fsdp import ConfigError
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 SCRIPT = ROOT / "examples" / "run_clm.py"
 FSDP_JSON = ROOT / "examples" / "xla_fsdp_config.json"
 COMMON = ["--fsdp", "--fsdp_config", str(FSDP_JSON), "--max_steps", "20", "--save_steps", "10", "--logging_steps", "1",

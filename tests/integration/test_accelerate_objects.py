@@ -21,6 +21,8 @@ from helpers import ROOT, xla_env
 
 from hf_xla_fsdp import XlaFsdpAccelerator, XlaFsdpPlugin, runtime
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def accelerator() -> XlaFsdpAccelerator:

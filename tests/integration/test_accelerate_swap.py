@@ -86,6 +86,7 @@ def test_optimizer_built_before_prepare_is_repointed_group_by_group(order):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.xla
 def test_flat_parameters_with_mixed_groups_fail_in_one_line_and_uniform_groups_work():
     accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(flatten_parameters=True))
     model = GPT2LMHeadModel(tiny_gpt2())
@@ -203,6 +204,7 @@ def test_save_state_automatic_naming_rotation_registered_objects_and_latest(tmp_
     assert meta["optimizer"]["param_groups"][0]["weight_decay"] == 0.1
 
 
+@pytest.mark.xla
 def test_mixed_precision_becomes_the_compute_dtype_never_autocast(monkeypatch):
     accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(), mixed_precision="bf16")
     assert accelerator.xla_fsdp_plugin.compute_dtype is torch.bfloat16

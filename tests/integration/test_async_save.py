@@ -93,6 +93,8 @@ sys.path.insert(0, {str(ROOT / 'tests')!r})
 import torch
 from helpers import build_rank, tiny_llama
 from hf_xla_fsdp.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 model = build_rank(tiny_llama(), 1, 0)
 save_checkpoint(sys.argv[1] + "/ckpt", model, async_save=True)
 print("returned", flush=True)

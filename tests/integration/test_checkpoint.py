@@ -119,6 +119,8 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from helpers import build_ranks, save_ranks, tiny_llama
 from pathlib import Path
+
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 root, start = Path(sys.argv[1]), int(sys.argv[2])
 models = build_ranks(tiny_llama(hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=1024), 2)
 i = start

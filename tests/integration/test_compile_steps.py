@@ -13,6 +13,8 @@ import json
 import pytest
 from helpers import SCRIPTS, run_python
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 @pytest.mark.parametrize("loop,engine", [("plugin", "v1"), ("trainer", "v1"), ("accelerate", "v2"), ("trainer", "v2")])
 def test_steps_after_the_first_compile_nothing(loop: str, engine: str) -> None:

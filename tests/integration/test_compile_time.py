@@ -12,6 +12,8 @@ import sys
 import pytest
 from helpers import SCRIPTS, run_python, xla_env
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 WORKER = SCRIPTS / "shapes_worker.py"
 
 

@@ -15,6 +15,8 @@ from helpers import build_ranks, save_ranks, save_torch_xla_style, tiny_llama
 from hf_xla_fsdp.checkpoint.schema import marker_bytes
 from hf_xla_fsdp.cli import main
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def models():

@@ -18,6 +18,8 @@ from hf_xla_fsdp.checkpoint import commit_checkpoint, write_rank_file
 from hf_xla_fsdp.checkpoint.consolidate import consolidate
 from hf_xla_fsdp.cli import main
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 LOSSES = {"1": 5.1, "2": 4.7, "3": 4.25}
 
 

@@ -31,6 +31,8 @@ from hf_xla_fsdp.checkpoint.schema import marker_bytes
 from hf_xla_fsdp.cli import main
 from hf_xla_fsdp.errors import CheckpointError
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 WORLD = 2
 SEED = 27
 CONFIG = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64)

@@ -19,6 +19,8 @@ from hf_xla_fsdp.checkpoint.consolidate import consolidate, read_full_state_dict
 from hf_xla_fsdp.checkpoint.verify import verify_checkpoint
 from hf_xla_fsdp.errors import CheckpointError
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 def reference(path: Path, n: int) -> Path:
     """The same N ranks built and saved in this one process (the workers use the same seeds)."""

@@ -26,6 +26,8 @@ from hf_xla_fsdp.checkpoint.storage import host_marker_name, resolve_mode
 from hf_xla_fsdp.checkpoint.verify import verify_checkpoint
 from hf_xla_fsdp.errors import CheckpointError
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 N = 4
 
 

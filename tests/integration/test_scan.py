@@ -10,6 +10,8 @@ from helpers import SCRIPTS, run_python, tiny_llama
 
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 WORKER = SCRIPTS / "scan_worker.py"
 
 

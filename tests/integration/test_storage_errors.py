@@ -18,6 +18,8 @@ from hf_xla_fsdp.checkpoint.consolidate import consolidate
 from hf_xla_fsdp.checkpoint.verify import verify_checkpoint
 from hf_xla_fsdp.errors import CheckpointError
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 def test_full_disk_during_a_two_process_save(tmp_path):
     # rank 1 may write at most 64 kB per file after its first save: its next rank file (~0.8 MB) hits EFBIG

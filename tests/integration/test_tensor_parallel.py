@@ -13,6 +13,8 @@ import pytest
 import torch
 from helpers import ROOT, SCRIPTS, run_python
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 WORKER = SCRIPTS / "tp_worker.py"
 DEVICES = 8
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from test_tensor_parallel import consolidated_logits_diff, tiles, worker
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 FAMILIES = ("gpt2", "qwen2", "gemma", "mistral")
 
 

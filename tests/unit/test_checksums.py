@@ -18,6 +18,8 @@ from hf_xla_fsdp.checkpoint.safetensors_io import SafetensorsReader
 from hf_xla_fsdp.cli import main
 from hf_xla_fsdp.errors import CheckpointError
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 WORLD = 3
 VICTIM = "rank-00001-of-00003.safetensors"
 

@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 
 from hf_xla_fsdp.cli import main
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 WORLD = 2
 CONFIG = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64)
 

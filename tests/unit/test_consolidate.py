@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, GPT2LMHeadModel, LlamaForCausalLM
 from hf_xla_fsdp.checkpoint.consolidate import consolidate
 from hf_xla_fsdp.modeling.meta_init import build_eager
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
 
 

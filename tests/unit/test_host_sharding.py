@@ -21,6 +21,8 @@ from hf_xla_fsdp import XlaFsdpPlugin
 from hf_xla_fsdp.engines.v1 import XlaFsdpV1, host_shard, host_sharding_unit_class
 from hf_xla_fsdp.modeling.meta_init import build_eager
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 def _stock_and_lean(monkeypatch, make_model, plugin: XlaFsdpPlugin) -> tuple[nn.Module, nn.Module]:
     """The same eager model wrapped the old way (stock FSDP) and the new way (host-side shard cuts)."""

@@ -35,6 +35,7 @@ def test_settings_come_from_the_script_flags_the_yaml_and_the_launcher(tmp_path)
     assert str(plugin.compute_dtype) == "torch.bfloat16"
 
 
+@pytest.mark.xla
 def test_conflicting_settings_name_both_sources(tmp_path):
     # the script's flags say v1 (no xla_fsdp_v2), the YAML v2
     with pytest.raises(ConfigError, match=r"the script's --fsdp_config and fsdp_config in .*xla_v2_minimal.yaml "
@@ -112,6 +113,7 @@ def _bad(tmp_path, case):
 @pytest.mark.parametrize("case", ["missing script", "missing module", "missing yaml", "flags vs yaml",
                                   "v2 with processes", "v2 after the device was used",
                                   "v2 in code, in a spawned v1 process"])
+@pytest.mark.xla
 def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     args, expected = _bad(tmp_path, case)
     res = run_python(["-m", "hf_xla_fsdp.cli", "launch", *args], devices=2, cwd=tmp_path, timeout=300)

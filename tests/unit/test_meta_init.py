@@ -54,6 +54,7 @@ def _build_equal_to_eager(config, cls):
 
 
 @pytest.mark.parametrize("make,cls", CASES)
+@pytest.mark.xla
 def test_fresh_meta_init_equals_eager(make, cls):
     model, eager = _build_equal_to_eager(make(), cls)
     inner = unwrap(model)
@@ -67,6 +68,7 @@ def test_tied_weights_stay_tied(gpt2_config):
     assert inner.lm_head.weight is inner.transformer.wte.weight
 
 
+@pytest.mark.xla
 def test_emulated_ranks_shard_and_reassemble(llama_config):
     eager, state, _ = _eager_state(llama_config, LlamaForCausalLM)
     world = 3
@@ -82,6 +84,7 @@ def test_emulated_ranks_shard_and_reassemble(llama_config):
     _assert_equal_to_eager(consolidate(ranks), eager, state)
 
 
+@pytest.mark.xla
 def test_blocks_are_materialized_one_at_a_time(llama_config, monkeypatch):
     seen = []
     real = XlaFsdpV1.wrap_block
@@ -114,6 +117,7 @@ def _save(model, path, max_shard_size):
 
 @pytest.mark.parametrize("make,cls", CASES)
 @pytest.mark.parametrize("max_shard_size", ["10GB", "40KB"])
+@pytest.mark.xla
 def test_pretrained_meta_load_is_bit_exact(tmp_path, make, cls, max_shard_size):
     torch.manual_seed(3)
     source = build_eager(make(), model_cls=cls)
@@ -145,6 +149,7 @@ def test_pretrained_errors(tmp_path, llama_config):
         XlaFsdpPlugin().build(tmp_path)
 
 
+@pytest.mark.xla
 def test_meta_init_false_is_the_eager_reference(llama_config):
     torch.manual_seed(0)
     a = consolidate(XlaFsdpPlugin(meta_init=False).build(llama_config, progress=False))
@@ -180,12 +185,14 @@ def test_chunked_uniform_advances_the_rng_like_one_draw(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("make,cls", [CASES[0], CASES[1]])
+@pytest.mark.xla
 def test_fresh_meta_init_with_chunked_taped_draws_equals_eager(monkeypatch, make, cls):
     """The taped lm_head constructor draw advanced in chunks of 7 elements: same weights and RNG as eager."""
     monkeypatch.setattr(meta_init, "_UNIFORM_CHUNK", 7)
     _build_equal_to_eager(make(), cls)
 
 
+@pytest.mark.xla
 def test_random_init_of_a_real_tensor_is_drawn_in_eager_order():
     """A model whose init draws into a real buffer (buffers are not on meta) cannot defer its init draws:
     the skeleton notices and draws them at once; the build still equals eager construction."""

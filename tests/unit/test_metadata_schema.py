@@ -57,6 +57,7 @@ def test_check_like_names_the_entry():
         assert needle in str(err.value) and "r.json does not fit this scheduler" in str(err.value), str(err.value)
 
 
+@pytest.mark.xla
 def test_a_save_records_its_side_files(tmp_path):
     """The save path (rank 0's ``before_commit`` adds side files) seals their SHA-256 into the marker."""
     model = build_rank(tiny_llama(num_hidden_layers=1, hidden_size=32, intermediate_size=64), 1, 0)

@@ -21,6 +21,7 @@ def test_defaults_are_nested_zero3_fp32():
 @pytest.mark.parametrize("value,expected", [("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
                                             ("torch.float16", torch.float16), ("fp32", torch.float32),
                                             (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.xla
 def test_dtype_strings(value, expected):
     assert XlaFsdpPlugin(compute_dtype=value, buffer_dtype=value).compute_dtype is expected
 
@@ -197,6 +198,7 @@ def test_every_key_accelerate_config_writes_for_torch_fsdp_is_mapped(tmp_path, c
     ("mixed_precision: bf16", "mixed_precision: fp8", "mixed_precision=fp8"),
     ("fsdp_use_orig_params: true", "fsdp_use_orig_params: true\n  compute_dtype: float16", "disagree"),
 ])
+@pytest.mark.xla
 def test_accelerate_fsdp_keys_that_cannot_be_honoured_are_one_line(tmp_path, edit, replacement, named):
     path = tmp_path / "fsdp.yaml"
     path.write_text(ACCELERATE_CONFIG_FSDP.replace(edit, replacement))

@@ -36,6 +36,7 @@ def test_one_build_resolves_the_engine_once(monkeypatch, layers):
     assert calls == [1]  # one lookup for the whole build, however many blocks
 
 
+@pytest.mark.xla
 def test_one_wrap_resolves_the_engine_once_and_tags_every_unit(monkeypatch):
     from hf_xla_fsdp.modeling.meta_init import build_eager
 
@@ -52,6 +53,7 @@ def test_plugin_versions_are_the_engines():
         XlaFsdpPlugin(version=3)
 
 
+@pytest.mark.xla
 def test_every_upstream_api_we_rely_on_is_installed_as_we_use_it():
     found = upstream.problems()
     assert not found, "\n".join(f"{e.target}: {why}" for e, why in found)

@@ -291,6 +291,7 @@ def test_a_refusal_in_the_loader_thread_is_raised_in_the_training_thread(monkeyp
 
 
 @pytest.mark.parametrize("kind", ["torch_xla", "accelerate"])
+@pytest.mark.xla
 def test_a_failure_of_the_host_loader_in_the_device_loaders_thread_is_raised_not_taken_for_the_end_of_data(kind):
     # torch_xla's device loader reads the host loader in a thread; an exception there ended the data silently
     # (a Trainer trained 0 steps and exited 0, e.g. with a pinned DataLoader under a renamed PrivateUse1 backend)

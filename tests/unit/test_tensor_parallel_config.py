@@ -109,6 +109,7 @@ def test_planner_proposes_the_smallest_tensor_size_that_fits():
     (["--version", "2", "--tensor-parallel-size", "16"], "does not divide num_key_value_heads=8"),
     (["--tensor-parallel-size", "2"], "tensor_parallel_size applies to version=2 only"),
 ])
+@pytest.mark.xla
 def test_planner_bad_input_exits_2_with_one_line(capsys, args, message):
     assert main(["plan", "llama-2-70b", "--tpu", "v5e-256", "--json", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -17,6 +17,8 @@ from hf_xla_fsdp.checkpoint.torch_zip import TorchZipArchive, UnsafePickle
 from hf_xla_fsdp.cli import main
 from hf_xla_fsdp.errors import CheckpointError
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def models():

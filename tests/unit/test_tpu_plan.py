@@ -78,6 +78,7 @@ V1_SETTINGS = [{}, {"flatten_parameters": True}, {"shard_param_on_dim_0": True},
 
 
 @pytest.mark.parametrize("settings", V1_SETTINGS, ids=lambda s: ",".join(s) or "default")
+@pytest.mark.xla
 def test_v1_exact_parts_equal_the_wrapped_rank(settings):
     from hf_xla_fsdp.engines import fsdp_units
 
@@ -106,6 +107,7 @@ def test_v1_exact_parts_equal_the_wrapped_rank(settings):
                            seq_len=8)["optimizer_state"] == on_device, name
 
 
+@pytest.mark.xla
 def test_v1_gradients_are_the_shards_after_a_real_backward():
     import torch_xla
 

@@ -14,6 +14,8 @@ from hf_xla_fsdp.modeling.meta_init import build_eager
 from hf_xla_fsdp.modeling.wrapping import select_blocks
 from hf_xla_fsdp.train import sync, train_step, xla_device
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 def _wrapped_class_names(model):
     return sorted({type(unwrap(u)).__name__ for name, u in fsdp_units(model) if name})
