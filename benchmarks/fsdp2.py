@@ -59,6 +59,8 @@ def child_build_fsdp2(model: dict) -> None:
     from hf_xla_fsdp import XlaFsdpPlugin
     from hf_xla_fsdp.session import XlaFsdpSession
 
+    from transformers import LlamaForCausalLM  # noqa: F401 - the model class's import (~50 MiB) is not the build's
+
     plugin = XlaFsdpPlugin(engine="fsdp2", transformer_layer_cls_to_wrap=["LlamaDecoderLayer"])
     session = XlaFsdpSession(plugin)
     session.setup_runtime()  # the process group and the mesh: the baseline includes them
@@ -79,7 +81,7 @@ def child_build_v1(model: dict, world: int) -> None:
     """XLA FSDP v1's rank 0 of ``world`` in one process (an explicit sharding group: no collectives in a build)."""
     import torch
     import torch_xla
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401 - imports before the baseline, as above
 
     from hf_xla_fsdp import XlaFsdpPlugin
 
