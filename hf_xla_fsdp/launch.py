@@ -5,12 +5,15 @@
     python -m hf_xla_fsdp.launch [...]                            # the same
 
 The script runs as ``__main__`` (``runpy``), with ``sys.argv`` set to its own arguments. Before its first line:
-the settings are read and checked (:func:`hf_xla_fsdp.integrations.launched.launch_settings`: the script's
-``--fsdp_config``, then the YAML's ``fsdp_config:``, then the launcher's ``--fsdp_config``); SPMD is started when
-they select FSDP v2; ``transformers.Trainer`` with every subclass and ``accelerate.Accelerator`` build their XLA
-FSDP versions (:func:`hf_xla_fsdp.integrations.launched.install_launch`); on a pod every host checks that the others
-run the same script, arguments, settings and package versions. FSDP v1 with ``--num_processes`` (or a YAML that
-gives it) starts its processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
+the settings are read and checked (:func:`hf_xla_fsdp.config.resolve.launch_sources`: the script's
+``--fsdp_config``, the YAML's ``fsdp_config:`` and ``mixed_precision``, the launcher's ``--fsdp_config`` and
+``--mixed_precision``, by the one conflict rule) and handed to the script's processes in ``HF_XLA_FSDP_LAUNCH``
+(:func:`hf_xla_fsdp.config.resolve.hand_off`); in each process the runtime is readied for them (FSDP v2: SPMD) and
+``transformers.Trainer`` with every subclass and ``accelerate.Accelerator`` build their XLA FSDP versions
+(:func:`hf_xla_fsdp.integrations.launched.start`); on a pod every host checks that the others run the same script,
+arguments, settings and package versions. When the session says the engine runs one process per device (FSDP v1,
+:meth:`hf_xla_fsdp.session.XlaFsdpSession.processes_per_host`), ``--num_processes`` (or a YAML that gives it) starts
+the processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
 
 Bad input (a script that does not exist, conflicting settings, a v2 config once the script used the XLA device
 without SPMD, a host that differs) is one line on stderr and exit code 2, before any work.
@@ -168,14 +171,11 @@ def run_target(target: str, is_module: bool, script_args: Sequence[str]) -> None
 
 
 def _start(plan: dict[str, Any]) -> None:
-    """In the training process, before the script: patches, SPMD for v2, the pod check, then the script."""
-    from .integrations import launched, startup
-    from .plugin import XlaFsdpPlugin
+    """In the training process, before the script: patches and the runtime for the handed-over settings, the pod
+    check, then the script."""
+    from .integrations import launched
 
-    plugin = XlaFsdpPlugin.from_dict(plan["settings"]) if plan["settings"] is not None else None
-    launched.install_launch(plugin)
-    if plugin is not None and plugin.version == 2:
-        startup.setup_runtime(plugin, what="the launcher")
+    launched.start(what="the launcher")
     if not plan["no_pod_check"]:
         check_pod(plan["fingerprint"])
     run_target(plan["target"], plan["module"], plan["script_args"])
@@ -192,10 +192,12 @@ def _spawned(index: int, plan: dict[str, Any]) -> None:
 
 
 def prepare(ns: argparse.Namespace) -> dict[str, Any]:
-    """Check the command line and read the settings (no XLA runtime, nothing run); returns the launch plan."""
+    """Check the command line and read the settings (no XLA runtime, nothing run) and hand them over (the
+    environment); returns the launch plan."""
     from .config.keys import read_accelerate_yaml
-    from .config.sources import ENV_CONFIG
-    from .integrations.launched import launch_settings
+    from .config.resolve import hand_off, launch_sources
+    from .plugin import XlaFsdpPlugin
+    from .session import XlaFsdpSession
 
     target = ns.script
     if ns.module:
@@ -214,21 +216,14 @@ def prepare(ns: argparse.Namespace) -> dict[str, Any]:
     yaml = read_accelerate_yaml(ns.config_file) if ns.config_file else {}
     if not isinstance(yaml, dict):
         raise ConfigError(f"accelerate config file {ns.config_file} must hold a mapping")
-    plugin = launch_settings(ns.script_args, ns.config_file, ns.fsdp_config)
-    version = plugin.version if plugin is not None else 1
-    processes = ns.num_processes if ns.num_processes is not None else yaml.get("num_processes")
-    if version == 2 and processes not in (None, 1, "1"):
-        raise ConfigError(f"num_processes={processes}: FSDP v2 (SPMD) drives every device of a host from one process; "
-                          "drop num_processes (or set it to 1)")
-    if ns.config_file:
-        os.environ.setdefault(ENV_CONFIG, os.path.abspath(ns.config_file))  # for XlaFsdpAccelerator() in the script
-    precision = ns.mixed_precision or yaml.get("mixed_precision")
-    if precision not in (None, "no"):
-        os.environ.setdefault("ACCELERATE_MIXED_PRECISION", str(precision))  # as accelerate launch exports it
-    settings = plugin.to_dict() if plugin is not None else None
+    sources = launch_sources(ns.script_args, ns.config_file, ns.fsdp_config, ns.mixed_precision)
+    plugin = XlaFsdpPlugin.resolve(sources)  # the defaults when no source names a setting
+    requested = ns.num_processes if ns.num_processes is not None else yaml.get("num_processes")
+    processes = XlaFsdpSession(plugin).processes_per_host(requested)
+    hand_off(sources)  # this process and every process it starts (xmp.spawn's) read them from the environment
+    settings = plugin.to_dict() if sources else None
     return {"target": target, "module": ns.module, "script_args": list(ns.script_args), "settings": settings,
-            "no_pod_check": ns.no_pod_check, "spawn": version == 1 and processes is not None,
-            "processes": int(processes) if processes is not None else None,
+            "no_pod_check": ns.no_pod_check, "spawn": processes is not None, "processes": processes,
             "fingerprint": launch_fingerprint(target, ns.module, ns.script_args, settings or {})}
 
 

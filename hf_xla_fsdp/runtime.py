@@ -1,7 +1,8 @@
 """Small helpers over the XLA runtime: device, graph cuts, process rank/count, barriers, byte gathers and RNG.
 
 torch_xla is imported inside each function: importing it starts its runtime, which config-only
-users and consolidation never need. Of ours, this module imports only :mod:`hf_xla_fsdp.errors`.
+users and consolidation never need. Of ours, this module imports only :mod:`hf_xla_fsdp.errors` and
+:mod:`hf_xla_fsdp.process` (the process state keeps the background saves' collectives group).
 """
 
 from __future__ import annotations
@@ -200,9 +201,6 @@ def dist_gather(timeout: float = 600.0, group: Any = None) -> Callable[[str, byt
     return gather
 
 
-_SAVE_GROUP: Any = None
-
-
 def thread_safe_collectives(timeout: float = 600.0
                             ) -> Optional[tuple[Callable[[str], None], Callable[[str, bytes], list[bytes]]]]:
     """A barrier and a gather that may run outside the training thread (a background save): torch.distributed's
@@ -210,12 +208,14 @@ def thread_safe_collectives(timeout: float = 600.0
     torch.distributed is not initialized."""
     import torch.distributed as dist
 
-    global _SAVE_GROUP
+    from .process import process_state
+
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _SAVE_GROUP is None:  # its own group: the training thread's collectives never interleave with the save's
-        _SAVE_GROUP = dist.new_group(backend="gloo")
-    return dist_barrier(timeout, _SAVE_GROUP), dist_gather(timeout, _SAVE_GROUP)
+    state = process_state()
+    if state.save_group is None:  # its own group: the training thread's collectives never interleave with the save's
+        state.save_group = dist.new_group(backend="gloo")
+    return dist_barrier(timeout, state.save_group), dist_gather(timeout, state.save_group)
 
 
 def get_xla_rng_state() -> int:

@@ -35,7 +35,7 @@ from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
 from ..session import AsyncMode, XlaFsdpSession
 from ..session import optimizers as opt
-from . import startup
+from . import patches
 
 upstream.require("accelerate")  # the Accelerator internals overridden below (see hf_xla_fsdp.upstream)
 logger = logging.getLogger(__name__)
@@ -84,26 +84,46 @@ def gather_object(obj: Any) -> list[Any]:
     return gathered
 
 
+def accelerator_settings(fsdp_plugin: Optional[XlaFsdpPlugin], mixed_precision: Any) -> XlaFsdpPlugin:
+    """The settings of an ``XlaFsdpAccelerator``, by the one conflict rule: ``fsdp_plugin``; in a launched script the
+    launch's; with neither, the accelerate YAML this process was launched with; then ``mixed_precision`` (else
+    ``ACCELERATE_MIXED_PRECISION``, which ``accelerate launch`` exports)."""
+    from ..config import resolve as r
+
+    launch = r.current_launch_sources()
+    sources: list[Optional[r.Source]] = list(launch or [])
+    if fsdp_plugin is not None:
+        sources.append(r.plugin_source(fsdp_plugin))
+    elif launch is None:  # under stock `accelerate launch`: the YAML it was started with
+        from ..config.keys import read_accelerate_yaml
+        from ..config.sources import launched_yaml
+
+        path = launched_yaml()
+        found = r.yaml_sources(path)
+        distributed = read_accelerate_yaml(path).get("distributed_type", "XLA")
+        XlaFsdpPlugin.resolve(found).check_launcher(distributed, str(path))  # accelerate starts the processes
+        sources += found
+    if mixed_precision is not None:
+        sources.append(r.precision_source(f"Accelerator(mixed_precision={mixed_precision!r})", mixed_precision))
+    elif os.environ.get(r.ACCELERATE_PRECISION_ENV):
+        value = os.environ[r.ACCELERATE_PRECISION_ENV]
+        sources.append(r.precision_source(f"{r.ACCELERATE_PRECISION_ENV}={value}", value))
+    return XlaFsdpPlugin.resolve(sources)
+
+
 class XlaFsdpAccelerator(Accelerator):
     """An ``Accelerator`` whose models are XLA FSDP models configured by the accelerate YAML."""
 
     def __init__(self, *args: Any, fsdp_plugin: Optional[XlaFsdpPlugin] = None,
                  session: Optional[XlaFsdpSession] = None, **kwargs: Any) -> None:
         own = session is None
-        if own:
-            # settings first: a bad fsdp_config must fail before anything else starts
-            plugin = fsdp_plugin or XlaFsdpPlugin.from_accelerate_launch()
-            # mixed precision is the engine's compute dtype; accelerate's autocast stays off (it breaks SDPA on XLA)
-            precision = kwargs.get("mixed_precision")
-            source = f"Accelerator(mixed_precision={precision!r})"
-            if precision is None:
-                precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
-                source = f"ACCELERATE_MIXED_PRECISION={precision}"
-            session = XlaFsdpSession(plugin.with_mixed_precision(precision, source))
+        if own:  # settings first: a bad fsdp_config must fail before anything else starts
+            session = XlaFsdpSession(accelerator_settings(fsdp_plugin, kwargs.get("mixed_precision")))
+        # mixed precision is the engine's compute dtype; accelerate's autocast stays off (it breaks SDPA on XLA)
         kwargs["mixed_precision"] = "no"
         session.setup_runtime()  # before accelerate's state looks at the devices (FSDP v2: one process, every device)
         super().__init__(*args, **kwargs)
-        startup.patch_gather_object(gather_object)  # upstream raises NotImplementedError on XLA
+        patches.patch_gather_object(gather_object)  # upstream raises NotImplementedError on XLA
         self.xla_fsdp_session = session
         session.checkpoints.barrier = lambda tag: self.wait_for_everyone()
         if own:  # a Trainer's session has its progress setting already

@@ -33,12 +33,13 @@ from torch import nn
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
 from .. import upstream
-from ..config.training_args import adjust_for_xla, plugin_from_training_args
+from ..config.training_args import trainer_settings
 from ..engines import is_wrapped
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
+from ..process import process_state
 from ..session import PreemptionGuard, XlaFsdpSession
-from . import startup
+from . import patches
 
 upstream.require("trainer")  # the Trainer internals overridden below are there, as this module expects them
 logger = logging.getLogger(__name__)
@@ -75,8 +76,9 @@ class XlaFsdpTrainerMixin:
     path / local model directory, which is built on meta block by block when the fsdp_config's
     ``meta_init`` is true (the default). The outer FSDP unit is added only after the subclass's own
     ``__init__`` has finished, so whatever it does to the model (attach adapters, patch its forward,
-    as TRL's fused LM head does) happens inside the unit. ``fsdp_plugin`` overrides the settings read
-    from ``args.fsdp_config``.
+    as TRL's fused LM head does) happens inside the unit. The settings are resolved by the one conflict rule
+    (:mod:`hf_xla_fsdp.config.resolve`) from ``fsdp_plugin``, ``args`` (``fsdp_config``, ``bf16``/``fp16``,
+    ``gradient_checkpointing``) and, in a launched script, the launch's settings.
     """
 
     def __init__(self, model: Union[nn.Module, PretrainedConfig, str, os.PathLike, None] = None,
@@ -85,8 +87,7 @@ class XlaFsdpTrainerMixin:
         if args is None:
             raise ConfigError(f"{type(self).__name__} needs TrainingArguments with --fsdp and --fsdp_config "
                               "(\"xla\": true)")
-        plugin = adjust_for_xla(fsdp_plugin, args) if fsdp_plugin is not None else plugin_from_training_args(args)
-        self.xla_fsdp_session = XlaFsdpSession(plugin)
+        self.xla_fsdp_session = XlaFsdpSession(trainer_settings(args, fsdp_plugin))
         self.xla_fsdp_session.checkpoints.progress = not args.disable_tqdm
         self.xla_fsdp_session.step_source = lambda: self.state.global_step  # named when a new graph compiles late
         self.xla_fsdp_session.setup_runtime(
@@ -208,10 +209,12 @@ class XlaFsdpTrainerMixin:
         return self._accelerator_kwargs
 
     def create_accelerator_and_postprocess(self) -> None:
-        """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` (on this trainer's session) as the accelerator."""
+        """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` (on this trainer's session) as the accelerator
+        (the base class's own stays stock, also in a launched script)."""
         from .accelerate import XlaFsdpAccelerator
 
-        super().create_accelerator_and_postprocess()
+        with patches.stock_accelerator():
+            super().create_accelerator_and_postprocess()
         kwargs = dict(self._accelerator_kwargs)
         if kwargs.pop("fsdp_plugin", None) is not None:  # torch FSDP's plugin: never built for an XLA fsdp_config
             raise ConfigError("XlaFsdpTrainer got a torch FSDP plugin; use an fsdp_config with \"xla\": true")
@@ -381,15 +384,21 @@ class XlaFsdpTrainer(XlaFsdpTrainerMixin, Trainer):
 
 
 def xla_fsdp_trainer(trainer_cls: type) -> type:
-    """``trainer_cls`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with XLA FSDP."""
+    """``trainer_cls`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with XLA FSDP: the same class
+    with :class:`XlaFsdpTrainerMixin` first, made once per class (``XlaFsdpTrainer`` for ``Trainer``). The one way a
+    Trainer gets XLA FSDP: ``XlaFsdpSFTTrainer`` and a launched script's Trainer classes are made here."""
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise ConfigError(f"xla_fsdp_trainer needs a transformers.Trainer subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, XlaFsdpTrainerMixin):
         return trainer_cls
-    return type(f"XlaFsdp{trainer_cls.__name__}", (XlaFsdpTrainerMixin, trainer_cls),
-                {"__module__": trainer_cls.__module__, "__doc__": f"{trainer_cls.__name__} with XLA FSDP."})
+    made = process_state().trainer_classes
+    if trainer_cls not in made:
+        made[trainer_cls] = XlaFsdpTrainer if trainer_cls is Trainer else type(
+            f"XlaFsdp{trainer_cls.__name__}", (XlaFsdpTrainerMixin, trainer_cls),
+            {"__module__": trainer_cls.__module__, "__doc__": f"{trainer_cls.__name__} with XLA FSDP."})
+    return made[trainer_cls]
 
 
-startup.install()  # the one-line swap: v2 settings start SPMD before the script's TrainingArguments use the device
+patches.patch_training_arguments()  # the one-line swap: TrainingArguments ready the runtime for their settings first
 
 __all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "xla_fsdp_trainer"]

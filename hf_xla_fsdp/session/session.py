@@ -4,12 +4,15 @@ A session is built once from an :class:`~hf_xla_fsdp.plugin.XlaFsdpPlugin`. It r
 owns everything the entry points share: the runtime set-up, building and wrapping models, readying optimizers
 and data loaders, clipping, preemption and checkpointing (:class:`~.checkpoints.CheckpointManager`).
 ``XlaFsdpAccelerator`` owns one; ``XlaFsdpTrainer`` uses its accelerator's; ``XlaFsdpPlugin.build`` and
-``.wrap`` make a short-lived one. The engine never changes during a session: the plugin's settings are fixed
-when it is made (a changed plugin makes a new session).
+``.wrap`` make a short-lived one. The engine never changes during a session. The plugin a session is given is
+never changed (it is frozen); what the session derives from it (``tensor_parallel_size: auto``'s value, once the
+model is known) is the session's own :attr:`XlaFsdpSession.plugin`, a copy. The runtime is readied once per process,
+whichever session asks first (:mod:`.bootstrap`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -20,6 +23,7 @@ from torch import nn
 from ..engines import engine_for, is_wrapped, unit_classes
 from ..errors import ConfigError
 from . import compile_cache, shapes
+from .bootstrap import ready_runtime
 from .checkpoints import CheckpointManager
 from .preemption import PreemptionGuard
 
@@ -35,6 +39,7 @@ class XlaFsdpSession:
     """The plugin's settings with their engine, and what every entry point does with them (see the module)."""
 
     def __init__(self, plugin: "XlaFsdpPlugin", *, barrier: Optional[Callable[[str], None]] = None) -> None:
+        #: the settings in use: the plugin given, or a copy with what the session derived (never the user's object)
         self.plugin = plugin
         #: the FSDP engine, resolved once
         self.engine = engine_for(plugin)
@@ -49,18 +54,19 @@ class XlaFsdpSession:
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, *, counted_processes: Optional[int] = None, what: str = "this process") -> None:
-        """Prepare the XLA runtime for the engine, before any XLA tensor exists (idempotent).
+        """The XLA runtime readied for the engine, before any XLA tensor exists: once per process
+        (:func:`.bootstrap.ready_runtime`).
 
         ``counted_processes``: how many processes a launcher has already counted (accelerate's state); when the
         runtime can no longer be set up for the engine (FSDP v2 needs SPMD before the device is first used), one
         line says what to add to the script (``what`` names who used the device first).
         """
-        if counted_processes is not None and not self.engine.runtime_ready(counted_processes):
-            raise ConfigError(self.engine.runtime_too_late(what))
-        self.engine.setup_runtime(self.plugin, what=what)
-        from ..runtime import process_index
+        ready_runtime(self.plugin, what=what, counted_processes=counted_processes)
 
-        compile_cache.setup(self.plugin.compilation_cache_dir, process_index)  # before the first compile
+    def processes_per_host(self, requested: Any) -> Optional[int]:
+        """How many processes a launcher starts on this host for the engine, ``requested`` being what the user asked
+        for (``--num_processes``, a YAML's ``num_processes``); ``None``: the launcher's own process runs the script."""
+        return self.engine.processes_per_host(requested)
 
     # ----------------------------------------------------------------- models
     def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
@@ -103,8 +109,9 @@ class XlaFsdpSession:
         return self._wrap_root(model)
 
     def _resolve_tensor_parallel(self, config: Any) -> None:
-        """``tensor_parallel_size: auto`` becomes the planner's choice for this model and these devices (once; the
-        plugin object is updated, so every later user of it sees the same mesh)."""
+        """``tensor_parallel_size: auto`` becomes the planner's choice for this model and these devices, once: the
+        session's plugin becomes a copy with the chosen size (the user's plugin stays as given), so every later model
+        and checkpoint of the session uses the same mesh."""
         if self.plugin.tensor_parallel_size != "auto":
             return
         if config is None:
@@ -114,7 +121,7 @@ class XlaFsdpSession:
 
         size, why = choose_tensor_parallel(config, self.plugin, device_count(), device_memory_bytes())
         logger.warning("tensor_parallel_size=auto -> %d: %s", size, why)
-        self.plugin.tensor_parallel_size = size
+        self.plugin = dataclasses.replace(self.plugin, tensor_parallel_size=size)
 
     def finish_wrapping(self, model: nn.Module) -> nn.Module:
         """The model with its outer unit: wrapped whole when nothing is yet, else only the root added (after a
