@@ -39,6 +39,8 @@ _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero
 
 #: the engines ``version`` selects (``hf_xla_fsdp.engines.ENGINES`` implements each; a test keeps them equal)
 ENGINE_TITLES = {1: "FSDP v1 (XlaFullyShardedDataParallel)", 2: "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
+#: the name each engine writes into training records (a test keeps them equal to the engines' ``name``)
+ENGINE_NAMES = {1: "xla_fsdp_v1", 2: "xla_fsdp_v2"}
 #: accelerate's ``distributed_type`` each engine runs under, and the fix when it is another
 ENGINE_LAUNCHERS = {
     1: (("XLA", "TPU"), "XLA FSDP needs distributed_type: XLA"),
@@ -285,7 +287,8 @@ class XlaFsdpPlugin:
     def _normalize(cls, settings: Mapping[str, Any], source: str) -> dict[str, Any]:
         fields = dataclasses.fields(cls)
         return normalize(settings, source, fields={f.name for f in fields}, fsdp_kwargs=cls.fsdp_kwarg_names(),
-                         aliases={alias: f.name for f in fields for alias in f.metadata["aliases"]})
+                         aliases={alias: f.name for f in fields for alias in f.metadata["aliases"]},
+                         one_process_engines=[v for v, (launchers, _) in ENGINE_LAUNCHERS.items() if "NO" in launchers])
 
     @classmethod
     def resolve(cls, settings_sources: Sequence[Optional["sources.Source"]]) -> "XlaFsdpPlugin":

@@ -37,6 +37,21 @@ if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
 
+#: XlaFullyShardedDataParallel pads every flattened shard to a multiple of this many elements (its default
+#: ``shard_size_multiple``; 1 with ``shard_param_on_dim_0``)
+SHARD_SIZE_MULTIPLE = 128
+
+
+def shard_numel(numel: int, world: int, multiple: int) -> int:
+    """Elements of one rank's shard of a flattened tensor of ``numel`` elements: padded to ``world * multiple``."""
+    return -(-numel // (world * multiple)) * multiple
+
+
+def shard_rows(rows: int, world: int) -> int:
+    """Rows of one rank's shard with ``shard_param_on_dim_0``: dim 0 padded to a multiple of ``world``."""
+    return -(-rows // world)
+
+
 def host_shard(full: torch.Tensor, world: int, rank: int, multiple: int, on_dim0: bool) -> torch.Tensor:
     """Rank ``rank``'s shard of the host tensor ``full``, the same bytes as ``XlaFullyShardedDataParallel._get_shard``.
 
@@ -45,12 +60,12 @@ def host_shard(full: torch.Tensor, world: int, rank: int, multiple: int, on_dim0
     appended, so no full-size copy is made.
     """
     if on_dim0:
-        rows = -(-full.shape[0] // world) if full.dim() else 0
+        rows = shard_rows(full.shape[0], world) if full.dim() else 0
         part = full[rank * rows:(rank + 1) * rows]
         missing, pad_shape = rows - part.shape[0], (rows - part.shape[0], *full.shape[1:])
     else:
         flat = full.reshape(-1)
-        local = -(-flat.numel() // (world * multiple)) * multiple
+        local = shard_numel(flat.numel(), world, multiple)
         part = flat[rank * local:(rank + 1) * local]
         missing, pad_shape = local - part.numel(), (local - part.numel(),)
     if missing:
@@ -220,6 +235,30 @@ class XlaFsdpV1(Engine):
 
     def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         return self.construction_class()(block, **plugin.fsdp_kwargs())
+
+    def plan_shards(self, units: Any, config: Any, devices: int, plugin: "XlaFsdpPlugin",
+                    ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
+        # the rule host_shard cuts by (FSDP's _shard_parameters_ / _flatten_and_pad_to_world_size): a parameter, or
+        # with flatten_parameters a unit's parameters concatenated, flattened and padded; with shard_param_on_dim_0
+        # only dim 0 is padded and the shard keeps the other dimensions
+        multiple = 1 if plugin.shard_param_on_dim_0 else SHARD_SIZE_MULTIPLE
+        shards: list[list[tuple[int, ...]]] = []
+        for unit in units:
+            if plugin.flatten_parameters:
+                total = sum(n for n, _ in unit.params)
+                shards.append([(shard_numel(total, devices, multiple),)] if total else [])
+            elif plugin.shard_param_on_dim_0:
+                shards.append([(shard_rows(shape[0], devices), *shape[1:]) for _, shape in unit.params])
+            else:
+                shards.append([(shard_numel(n, devices, multiple),) for n, _ in unit.params])
+        # the all-gather's output: every rank's padded shard
+        return shards, [devices * sum(math.prod(s) for s in unit) for unit in shards]
+
+    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+        return plugin.disable_reshard_on_root
+
+    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+        return True  # shards stay fp32; gathered units and activations take the compute dtype
 
     def reduce_norm(self, model: nn.Module, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         # each rank holds other shards: combine the local p-norms over the sharding group

@@ -18,6 +18,7 @@ from ..checkpoint.consolidate import TRAINING_INFO, consolidate
 from ..checkpoint.layout import check_output, prepare_output, publish
 from ..checkpoint.safetensors_io import SafetensorsReader
 from ..errors import ConfigError, PushError
+from ..plugin import ENGINE_NAMES, ENGINE_TITLES
 
 __all__ = ["PushError", "count_parameters", "export", "push_folder", "render_card", "template_text"]
 _PIPELINES = (("ForCausalLM", "text-generation", "AutoModelForCausalLM"), ("ForMaskedLM", "fill-mask", "AutoModelForMaskedLM"),
@@ -33,9 +34,9 @@ def template_text() -> str:
     return files("hf_xla_fsdp").joinpath("templates", "model_card.md").read_text(encoding="utf-8")
 
 
-# training records name the engine; the titles match hf_xla_fsdp.engines (not imported: no XLA runtime here)
-_ENGINE_TITLES = {"xla_fsdp_v1": "FSDP v1 (XlaFullyShardedDataParallel)",
-                  "xla_fsdp_v2": "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
+# training records name the engine; its title comes from the plugin's table of engines (the engines themselves are
+# not imported here: no XLA runtime)
+_ENGINE_TITLES = {ENGINE_NAMES[version]: title for version, title in ENGINE_TITLES.items()}
 
 
 def _is_consolidated(path: Path) -> bool:
