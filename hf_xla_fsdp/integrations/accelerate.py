@@ -12,17 +12,15 @@ The work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`); this c
   ``ProjectConfiguration``, registered objects included); ``accelerator.preempted`` turns True once SIGTERM has
   arrived; ``get_state_dict``, ``unwrap_model(model).save_pretrained(...)`` and ``save_model`` give full weights;
 * ``gather_for_metrics(..., use_gather_object=True)`` and ``accelerate.utils.gather_object`` gather picklable objects
-  (upstream raises ``NotImplementedError`` on XLA): see :func:`gather_object`.
+  (upstream raises ``NotImplementedError`` on XLA): see :func:`hf_xla_fsdp.runtime.all_gather_objects`.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import io
 import logging
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -30,6 +28,7 @@ import torch
 from accelerate import Accelerator
 
 from .. import runtime, upstream
+from ..config.accelerate_args import accelerator_settings
 from ..engines import is_wrapped
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
@@ -47,70 +46,6 @@ def _ties_kept(*args: Any, **kwargs: Any) -> None:
     """``tie_weights`` of a sharded model: its ties are kept by FSDP already."""
 
 
-def _to_xla_device(tensor: torch.Tensor) -> torch.Tensor:
-    """A gathered tensor that was on an XLA device goes to this process's XLA device (as CUDA tensors do in
-    torch.distributed's ``all_gather_object``)."""
-    return tensor.to(runtime.xla_device())
-
-
-class _ObjectPickler(pickle.Pickler):
-    """Pickles XLA tensors through a host copy (plain pickling goes through numpy, which has no bfloat16)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
-            return _to_xla_device, (obj.detach().cpu(),)
-        return NotImplemented
-
-
-def gather_object(obj: Any) -> list[Any]:
-    """Every process's picklable ``obj``, gathered on every process in process order: accelerate's ``gather_object``
-    on XLA.
-
-    As accelerate does for byte-padded gathers: a list contributes its items, anything else (dict, tensor, string,
-    number, tuple) one item, so one process gives ``obj`` itself for a list and ``[obj]`` otherwise. XLA tensors come
-    back on this process's XLA device, CPU tensors on the CPU. Every process must call it (on the training thread):
-    the pickled bytes go through :func:`hf_xla_fsdp.runtime.all_gather_bytes`.
-    """
-    buffer = io.BytesIO()
-    _ObjectPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    gathered: list[Any] = []
-    for payload in runtime.all_gather_bytes(buffer.getvalue(), tag="gather_object"):
-        # our own processes' pickles, as torch.distributed.all_gather_object unpickles them
-        part = pickle.loads(payload)  # noqa: S301
-        if isinstance(part, list):
-            gathered.extend(part)
-        else:
-            gathered.append(part)
-    return gathered
-
-
-def accelerator_settings(fsdp_plugin: Optional[XlaFsdpPlugin], mixed_precision: Any) -> XlaFsdpPlugin:
-    """The settings of an ``XlaFsdpAccelerator``, by the one conflict rule: ``fsdp_plugin``; in a launched script the
-    launch's; with neither, the accelerate YAML this process was launched with; then ``mixed_precision`` (else
-    ``ACCELERATE_MIXED_PRECISION``, which ``accelerate launch`` exports)."""
-    from ..config import resolve as r
-
-    launch = r.current_launch_sources()
-    sources: list[Optional[r.Source]] = list(launch or [])
-    if fsdp_plugin is not None:
-        sources.append(r.plugin_source(fsdp_plugin))
-    elif launch is None:  # under stock `accelerate launch`: the YAML it was started with
-        from ..config.keys import read_accelerate_yaml
-        from ..config.sources import launched_yaml
-
-        path = launched_yaml()
-        found = r.yaml_sources(path)
-        distributed = read_accelerate_yaml(path).get("distributed_type", "XLA")
-        XlaFsdpPlugin.resolve(found).check_launcher(distributed, str(path))  # accelerate starts the processes
-        sources += found
-    if mixed_precision is not None:
-        sources.append(r.precision_source(f"Accelerator(mixed_precision={mixed_precision!r})", mixed_precision))
-    elif os.environ.get(r.ACCELERATE_PRECISION_ENV):
-        value = os.environ[r.ACCELERATE_PRECISION_ENV]
-        sources.append(r.precision_source(f"{r.ACCELERATE_PRECISION_ENV}={value}", value))
-    return XlaFsdpPlugin.resolve(sources)
-
-
 class XlaFsdpAccelerator(Accelerator):
     """An ``Accelerator`` whose models are XLA FSDP models configured by the accelerate YAML."""
 
@@ -123,7 +58,7 @@ class XlaFsdpAccelerator(Accelerator):
         kwargs["mixed_precision"] = "no"
         session.setup_runtime()  # before accelerate's state looks at the devices (FSDP v2: one process, every device)
         super().__init__(*args, **kwargs)
-        patches.patch_gather_object(gather_object)  # upstream raises NotImplementedError on XLA
+        patches.patch_gather_object(runtime.all_gather_objects)  # upstream raises NotImplementedError on XLA
         self.xla_fsdp_session = session
         session.checkpoints.barrier = lambda tag: self.wait_for_everyone()
         if own:  # a Trainer's session has its progress setting already

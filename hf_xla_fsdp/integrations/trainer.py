@@ -24,7 +24,6 @@ import functools
 import inspect
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -43,9 +42,6 @@ from . import patches
 
 upstream.require("trainer")  # the Trainer internals overridden below are there, as this module expects them
 logger = logging.getLogger(__name__)
-
-# transformers' own decay rule (Trainer.get_decay_parameter_names), applied to the original names
-_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
 
 
 class PreemptionCallback(TrainerCallback):
@@ -225,23 +221,10 @@ class XlaFsdpTrainerMixin:
                                                      use_gather_object=self.args.eval_use_gather_object)
 
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
-        """Transformers' weight-decay rule applied to the original parameter names inside FSDP units.
-
-        A flattened group (``flatten_parameters``) is one tensor, so it decays as a whole.
-        """
+        """Transformers' weight-decay rule applied to the original parameter names inside FSDP units."""
         if not is_wrapped(model):
             return super().get_decay_parameter_names(model)
-        inner = self.xla_fsdp_session.unwrap(model)
-        decay = []
-        for name, orig in self.xla_fsdp_session.original_names(model).items():
-            owner = orig.rsplit(".", 1)[0] if "." in orig else ""
-            try:
-                is_norm = isinstance(inner.get_submodule(owner), nn.LayerNorm)
-            except AttributeError:
-                is_norm = False
-            if "flat_param" in orig or not (is_norm or any(p.search(orig.lower()) for p in _NO_DECAY)):
-                decay.append(name)
-        return decay
+        return self.xla_fsdp_session.decay_parameter_names(model)
 
     def _raw_optimizer(self) -> Any:
         return getattr(self.optimizer, "optimizer", self.optimizer)

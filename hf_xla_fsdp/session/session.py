@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -28,6 +29,9 @@ from .checkpoints import CheckpointManager
 from .preemption import PreemptionGuard
 
 logger = logging.getLogger(__name__)
+
+# transformers' own decay rule (Trainer.get_decay_parameter_names), applied to the original names
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -208,6 +212,22 @@ class XlaFsdpSession:
     def original_names(self, model: nn.Module) -> dict[str, str]:
         """Wrapped parameter name -> the user's parameter name (a flattened group maps to its flat name)."""
         return self.engine.original_names(model)
+
+    def decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """The wrapped ``model``'s parameters that get weight decay by transformers' rule
+        (``Trainer.get_decay_parameter_names``: not biases, not norms) applied to the original names inside the units;
+        a flattened group (``flatten_parameters``) is one tensor, so it decays as a whole."""
+        inner = self.unwrap(model)
+        decay = []
+        for name, orig in self.original_names(model).items():
+            owner = orig.rsplit(".", 1)[0] if "." in orig else ""
+            try:
+                is_norm = isinstance(inner.get_submodule(owner), nn.LayerNorm)
+            except AttributeError:
+                is_norm = False
+            if "flat_param" in orig or not (is_norm or any(p.search(orig.lower()) for p in _NO_DECAY)):
+                decay.append(name)
+        return decay
 
     def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
         """Wrapped parameter name -> the user's names of every parameter it holds."""
