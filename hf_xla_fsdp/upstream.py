@@ -111,6 +111,9 @@ RELIED_ON: tuple[Upstream, ...] = (
              "FSDP v1 units built without a full-parameter copy on the device"),
     Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
              "XlaFullyShardedDataParallel._get_shard", ("tensor",), "the reference shard layout", override=False),
+    Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
+             "XlaFullyShardedDataParallel._cast_buffers", ("dtype", "memo"),
+             "buffers cast on the host keep their original dtype for buffer_info"),
     # torch_xla: scan_layers runs its own Scan autograd function over torch_xla's scan internals (no jax needed)
     *(Upstream("torch_xla", "scan", f"torch_xla.experimental.scan:{name}", params, "scan_layers' loop", override=False)
       for name, params in (("value_and_grad_partitioned", ("fn", "init", "xs", "partition_fn", "is_fn_pure")),

@@ -27,6 +27,7 @@ from ..checkpoint.readers import (
     open_checkpoint,
     open_own,
     same_parameters,
+    saved_buffer_info,
     shard_structure,
 )
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
@@ -95,6 +96,19 @@ def host_sharding_unit_class() -> type:
 
     class HostShardingXlaFsdp(XlaFullyShardedDataParallel):
         """FSDP v1 unit whose construction never copies a whole host parameter to the device."""
+
+        @torch.no_grad()
+        def _cast_buffers(self, dtype: Optional[torch.dtype] = None, memo: Optional[set] = None) -> None:
+            # the stock method marks a buffer it casts with _orig_dtype, then moves it to the device with .to(), which
+            # drops the mark for a host buffer: the metadata's buffer_info (consolidation casts buffers back with it)
+            # would then depend on where the model was when it was wrapped
+            before = [(m, n, b.dtype) for m in self.modules() for n, b in m.named_buffers(recurse=False)
+                      if b is not None and torch.is_floating_point(b) and not hasattr(b, "_orig_dtype")]
+            super()._cast_buffers(dtype, memo)
+            for m, n, orig in before:
+                buf = m._buffers.get(n)
+                if buf is not None and buf.dtype != orig and not hasattr(buf, "_orig_dtype"):
+                    buf._orig_dtype = orig
 
         @torch.no_grad()
         def _shard_parameters_(self, params_to_shard: list[nn.Parameter]) -> None:
@@ -311,14 +325,19 @@ class XlaFsdpV1(Engine):
     # ----------------------------------------------------------------- checkpoints
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
         """The rank's state dict (flat shards) and optimizer state, one tensor at a time from the device."""
-        tensors: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
+        state = model.state_dict()
+        tensors: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in state.items()}
+        md = model.get_shard_metadata()
+        # torch_xla lists every cast buffer under its named_buffers() name, non-persistent ones too (rotary inv_freq):
+        # the file records those it holds, under their state-dict keys
+        md["buffer_info"] = saved_buffer_info(md, state)
         optim = None
         if optimizer is not None:
             optim, optim_tensors = optimizer_meta(model, optimizer, self.checkpoint_name)
             tensors.update(optim_tensors)
         specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
         return RankState(specs, lambda name: host_copy(tensors[name]),
-                         {"shard_metadata": encode_shard_metadata(model.get_shard_metadata()), "optimizer": optim},
+                         {"shard_metadata": encode_shard_metadata(md), "optimizer": optim},
                          produce_many=lambda names: host_copies([tensors[n] for n in names]))
 
     def restore(self, ckpt_dir: Path, marker: dict[str, Any], model: nn.Module,
