@@ -19,7 +19,8 @@ from ..checkpoint.codec import Collectives, RankState, Restored, tag
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
-__all__ = ["Engine", "PlannedUnit", "RankState", "Restored", "host_copies", "host_copy"]
+__all__ = ["EVALUATION_ATTR", "Engine", "PlannedUnit", "RankState", "Restored", "host_copies", "host_copy",
+           "in_evaluation_mode"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,16 @@ class PlannedUnit:
     name: str
     params: tuple[tuple[int, tuple[int, ...]], ...]
     names: tuple[str, ...]
+
+
+#: set on every unit of a model wrapped in evaluation mode (inference only: frozen, never given to an optimizer)
+EVALUATION_ATTR = "_hf_xla_fsdp_evaluation_mode"
+
+
+def in_evaluation_mode(model: nn.Module) -> bool:
+    """True when ``model`` (or its outermost unit, or any unit of a model whose root is not wrapped yet) was
+    wrapped in evaluation mode."""
+    return any(m.__dict__.get(EVALUATION_ATTR, False) for m in model.modules())
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -148,16 +159,37 @@ class Engine:
         """Wrapper classes between a unit and the user's module (removed by :meth:`unwrap`)."""
         return ()
 
-    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
-        """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``."""
+    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool, *,
+                   evaluation_mode: bool = False) -> nn.Module:
+        """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``.
+
+        ``evaluation_mode``: a block of a model that only runs forward (a reference or reward model): its parameters
+        are frozen before sharding (so no unit keeps gradients or fp32 master copies for them), nothing is
+        recomputed (there is no backward), and it is always its own unit (the whole model is never gathered at once).
+        """
+        if evaluation_mode:
+            block.requires_grad_(False)
+            return self._for_inference(tag(self.make_unit(block, plugin), self), plugin)
         block = self.checkpoint_block(block, plugin)
         return tag(self.make_unit(block, plugin), self) if nested else block
 
-    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
-        """The outer FSDP unit: shards every parameter no inner unit owns."""
+    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin", *, evaluation_mode: bool = False) -> nn.Module:
+        """The outer FSDP unit: shards every parameter no inner unit owns (frozen first in ``evaluation_mode``)."""
+        if evaluation_mode:
+            model.requires_grad_(False)
+            return self._for_inference(tag(self.make_root(model, plugin), self), plugin).eval()
         if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
             model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
         return tag(self.make_root(model, plugin), self)
+
+    def _for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        unit.__dict__[EVALUATION_ATTR] = True
+        self.store_for_inference(unit, plugin)
+        return unit
+
+    def store_for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> None:
+        """Store a frozen unit's own shards as it computes with them (``compute_dtype``): an inference-only model
+        needs no full-precision copy."""
 
     def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         """One FSDP unit around ``block``."""

@@ -127,7 +127,9 @@ def host_sharding_unit_class() -> type:
             full_params: list[torch.Tensor] = []
             for module_name, m in self.named_modules():
                 for n, p in m.named_parameters(recurse=False):
-                    if p.dtype != torch.float32:
+                    # stock FSDP checks every parameter it meets, inner units' shards too; those of a unit wrapped for
+                    # inference are stored in the compute dtype (store_for_inference), and this unit never shards them
+                    if p.dtype != torch.float32 and (p in to_shard or not getattr(p, "_is_sharded", False)):
                         raise TypeError("only fp32 parameters are supported")
                     if p in to_shard:
                         if p in shared_memo:
@@ -273,6 +275,16 @@ class XlaFsdpV1(Engine):
 
     def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
         return True  # shards stay fp32; gathered units and activations take the compute dtype
+
+    def store_for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> None:
+        # units shard fp32 parameters only, but all-gather each shard cast to compute_dtype; a frozen shard stored
+        # in that dtype is gathered unchanged (and takes half the device memory in bf16)
+        dtype = plugin.compute_dtype
+        if dtype in (None, torch.float32):
+            return
+        with torch.no_grad():
+            for shard in unit.sharded_params:
+                shard.data = shard.data.to(dtype)
 
     def reduce_norm(self, model: nn.Module, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         # each rank holds other shards: combine the local p-norms over the sharding group

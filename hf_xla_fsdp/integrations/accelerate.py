@@ -29,7 +29,7 @@ from accelerate import Accelerator
 
 from .. import runtime, upstream
 from ..config.accelerate_args import accelerator_settings
-from ..engines import is_wrapped
+from ..engines import is_wrapped, unit_classes
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
 from ..session import AsyncMode, XlaFsdpSession
@@ -118,7 +118,14 @@ class XlaFsdpAccelerator(Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
-        """Wrap ``model`` with XLA FSDP unless it already is (e.g. from :meth:`build_model`); re-point optimizers."""
+        """Wrap ``model`` with XLA FSDP unless it already is (e.g. from :meth:`build_model`); re-point optimizers.
+
+        ``evaluation_mode=True`` (how TRL prepares reference, teacher and reward models) shards the model for inference
+        only (:meth:`hf_xla_fsdp.session.XlaFsdpSession.wrap_model`): frozen, no fp32 master copies, stored in the
+        compute dtype, and never given to an optimizer (it is not one of the prepared training models).
+        """
+        if evaluation_mode:
+            return self._prepare_for_inference(model)
         if not is_wrapped(model):
             originals = opt.original_parameters(model)
             model = self.xla_fsdp_session.wrap_model(model)
@@ -133,6 +140,17 @@ class XlaFsdpAccelerator(Accelerator):
         sharded = opt.updated_parameter_ids(self._models)
         for optimizer in self._optimizers:
             opt.repoint_optimizer(optimizer.optimizer, self._moved_params, sharded)
+        return model
+
+    def _prepare_for_inference(self, model: torch.nn.Module) -> torch.nn.Module:
+        if any(m is model for m in self._models):
+            return model  # a training model prepared again for evaluation stays what it is
+        session = self.xla_fsdp_session
+        if not isinstance(model, unit_classes()):  # whole, or blocks built for inference: wrapped, or the root added
+            model = session.finish_wrapping(model, evaluation_mode=True)
+            inner = session.unwrap(model)
+            if hasattr(inner, "tie_weights"):
+                inner.tie_weights = _ties_kept
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:

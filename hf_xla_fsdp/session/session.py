@@ -13,6 +13,7 @@ whichever session asks first (:mod:`.bootstrap`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from ..engines import engine_for, is_wrapped, unit_classes
+from ..engines import engine_for, in_evaluation_mode, is_wrapped, unit_classes
 from ..errors import ConfigError
 from . import compile_cache, shapes
 from .bootstrap import ready_runtime
@@ -75,16 +76,19 @@ class XlaFsdpSession:
     # ----------------------------------------------------------------- models
     def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
                     dtype: torch.dtype = torch.float32, progress: bool = True, wrap_root: bool = True,
-                    peft_config: Any = None) -> nn.Module:
+                    peft_config: Any = None, evaluation_mode: bool = False) -> nn.Module:
         """Build ``source`` (a config, a ``config.json`` or a local pretrained directory) wrapped with XLA FSDP.
 
         With the plugin's ``meta_init`` (the default) each block is materialized, wrapped and sharded in turn, so the
         whole model never exists on the host; otherwise the model is built eagerly and then wrapped (the reference
         path). ``wrap_root=False`` stops before the outer unit (see :meth:`finish_wrapping`). ``peft_config`` (a
         ``peft.LoraConfig``) attaches adapters on ``meta`` first and returns the wrapped ``PeftModel``.
+        ``evaluation_mode``: a model for inference only (a reference, teacher or reward model; see :meth:`wrap_model`).
         """
         from ..modeling.meta_init import build_eager, build_sharded, resolve_source
 
+        if evaluation_mode and peft_config is not None:
+            raise ConfigError("a model in evaluation mode trains nothing: build it without peft_config")
         src = resolve_source(source)
         self.setup_runtime()
         self._resolve_tensor_parallel(src.config)
@@ -94,23 +98,38 @@ class XlaFsdpSession:
                 from ..modeling.adapters import require_peft
 
                 eager = require_peft().get_peft_model(eager, peft_config)
-            return self.wrap_model(eager) if wrap_root else eager
-        return build_sharded(src, self.plugin, wrap_block=self._wrap_block, wrap_root=self._wrap_root if wrap_root else None,
-                             model_cls=model_cls, dtype=dtype, progress=progress, peft_config=peft_config)
+            if wrap_root:
+                return self.wrap_model(eager, evaluation_mode=evaluation_mode)
+            return self._wrap_blocks(eager, evaluation_mode) if evaluation_mode else eager
+        block = functools.partial(self._wrap_block, evaluation_mode=evaluation_mode)
+        root = functools.partial(self._wrap_root, evaluation_mode=evaluation_mode) if wrap_root else None
+        return build_sharded(src, self.plugin, wrap_block=block, wrap_root=root, model_cls=model_cls, dtype=dtype,
+                             progress=progress, peft_config=peft_config)
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``."""
-        from ..modeling.wrapping import plan_blocks, replace_submodule
+    def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
+        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``.
 
+        ``evaluation_mode``: the model only runs forward (a reference, teacher or reward model). Its parameters are
+        frozen before they are sharded, so it has no gradients, no fp32 master copies and is never given to an
+        optimizer; its shards are stored in the plugin's ``compute_dtype`` (bf16 runs keep a bf16 reference); every
+        block is its own unit whatever ``sharding`` says (there is no backward whose all-gathers zero2 would save);
+        it is put in ``eval()`` mode (no dropout).
+        """
         self._check_not_wrapped(model)
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
+        return self._wrap_root(self._wrap_blocks(model, evaluation_mode), evaluation_mode=evaluation_mode)
+
+    def _wrap_blocks(self, model: nn.Module, evaluation_mode: bool) -> nn.Module:
+        from ..modeling.wrapping import plan_blocks, replace_submodule
+
         self.setup_runtime()
         self._resolve_tensor_parallel(getattr(model, "config", None))
         plan = plan_blocks(model, self.plugin)
         for name in plan.names:
-            replace_submodule(model, name, self._wrap_block(model.get_submodule(name), plan.nested))
-        return self._wrap_root(model)
+            replace_submodule(model, name, self._wrap_block(model.get_submodule(name), plan.nested,
+                                                            evaluation_mode=evaluation_mode))
+        return model
 
     def _resolve_tensor_parallel(self, config: Any) -> None:
         """``tensor_parallel_size: auto`` becomes the planner's choice for this model and these devices, once: the
@@ -127,26 +146,35 @@ class XlaFsdpSession:
         logger.warning("tensor_parallel_size=auto -> %d: %s", size, why)
         self.plugin = dataclasses.replace(self.plugin, tensor_parallel_size=size)
 
-    def finish_wrapping(self, model: nn.Module) -> nn.Module:
+    def finish_wrapping(self, model: nn.Module, *, evaluation_mode: Optional[bool] = None) -> nn.Module:
         """The model with its outer unit: wrapped whole when nothing is yet, else only the root added (after a
-        ``build_model(..., wrap_root=False)`` and whatever the caller did to the model in between)."""
+        ``build_model(..., wrap_root=False)`` and whatever the caller did to the model in between).
+
+        ``evaluation_mode`` defaults to what the model's blocks were built with (False for an unwrapped model).
+        """
         if not is_wrapped(model):
-            return self.wrap_model(model)
+            return self.wrap_model(model, evaluation_mode=bool(evaluation_mode))
+        if evaluation_mode is None:
+            evaluation_mode = in_evaluation_mode(model)
+        elif evaluation_mode != in_evaluation_mode(model):
+            built = "for training" if evaluation_mode else "for inference"
+            raise ConfigError(f"{type(model).__name__}'s blocks were wrapped {built}; finish wrapping it with "
+                              f"evaluation_mode={not evaluation_mode}")
         if not isinstance(model, unit_classes()):
-            return self._wrap_root(model)
+            return self._wrap_root(model, evaluation_mode=evaluation_mode)
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module inside the FSDP units."""
         return self.engine.unwrap(model)
 
-    def _wrap_block(self, block: nn.Module, nested: bool) -> nn.Module:
-        return self.engine.wrap_block(block, self.plugin, nested)
+    def _wrap_block(self, block: nn.Module, nested: bool, *, evaluation_mode: bool = False) -> nn.Module:
+        return self.engine.wrap_block(block, self.plugin, nested, evaluation_mode=evaluation_mode)
 
-    def _wrap_root(self, model: nn.Module) -> nn.Module:
+    def _wrap_root(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
         if self.plugin.scan_layers and getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False  # a KV cache cannot live in a scan: evaluation scans too
-        wrapped = self.engine.wrap_root(model, self.plugin)
+        wrapped = self.engine.wrap_root(model, self.plugin, evaluation_mode=evaluation_mode)
         if self.plugin.scan_layers:
             self._install_scan(wrapped)
         return wrapped
