@@ -76,15 +76,20 @@ class XlaFsdpSession:
     def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
                     dtype: torch.dtype = torch.float32, progress: bool = True, wrap_root: bool = True,
                     peft_config: Any = None) -> nn.Module:
-        """Build ``source`` (a config, a ``config.json`` or a local pretrained directory) wrapped with XLA FSDP.
+        """Build ``source`` (a config, a ``config.json``, a local pretrained directory, a Hub id in the local cache, or
+        a model loaded lazily by ``from_pretrained`` / ``from_config`` under the launch) wrapped with XLA FSDP.
 
         With the plugin's ``meta_init`` (the default) each block is materialized, wrapped and sharded in turn, so the
         whole model never exists on the host; otherwise the model is built eagerly and then wrapped (the reference
         path). ``wrap_root=False`` stops before the outer unit (see :meth:`finish_wrapping`). ``peft_config`` (a
         ``peft.LoraConfig``) attaches adapters on ``meta`` first and returns the wrapped ``PeftModel``.
         """
+        from ..modeling.lazy import lazy_state
         from ..modeling.meta_init import build_eager, build_sharded, resolve_source
 
+        lazy = lazy_state(source)
+        if lazy is not None:
+            return self._build_lazy(source, lazy, wrap_root=wrap_root, progress=progress, peft_config=peft_config)
         src = resolve_source(source)
         self.setup_runtime()
         self._resolve_tensor_parallel(src.config)
@@ -98,10 +103,41 @@ class XlaFsdpSession:
         return build_sharded(src, self.plugin, wrap_block=self._wrap_block, wrap_root=self._wrap_root if wrap_root else None,
                              model_cls=model_cls, dtype=dtype, progress=progress, peft_config=peft_config)
 
+    def _build_lazy(self, model: nn.Module, lazy: Any, *, wrap_root: bool, progress: bool, peft_config: Any,
+                    ) -> nn.Module:
+        """A model loaded lazily (:mod:`hf_xla_fsdp.modeling.lazy`): its own skeleton filled and sharded block by block
+        from its weight files (or recorded init), as :meth:`build_model` builds a directory."""
+        from ..modeling.lazy import check_no_foreign_meta
+        from ..modeling.meta_init import build_sharded
+
+        check_no_foreign_meta(model, lazy)
+        self.setup_runtime()
+        self._resolve_tensor_parallel(getattr(model, "config", None))
+        if not self.plugin.meta_init:
+            lazy.materialize("meta_init: false")
+            if peft_config is not None:
+                from ..modeling.adapters import require_peft
+
+                model = require_peft().get_peft_model(model, peft_config)
+            return self.wrap_model(model) if wrap_root else model
+        state = torch.get_rng_state()
+        lazy.release()
+        try:
+            return build_sharded(lazy.skeleton.source, self.plugin, wrap_block=self._wrap_block, progress=progress,
+                                 wrap_root=self._wrap_root if wrap_root else None, peft_config=peft_config,
+                                 skeleton=lazy.skeleton)
+        finally:
+            if peft_config is None:  # loading draws nothing at wrap time eagerly; adapters draw now, as peft would
+                torch.set_rng_state(state)
+
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``."""
+        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model`` (or of one loaded lazily)."""
+        from ..modeling.lazy import lazy_state
         from ..modeling.wrapping import plan_blocks, replace_submodule
 
+        lazy = lazy_state(model)
+        if lazy is not None:
+            return self._build_lazy(model, lazy, wrap_root=True, progress=True, peft_config=None)
         self._check_not_wrapped(model)
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
@@ -177,6 +213,23 @@ class XlaFsdpSession:
         self.engine.prepare_optimizer(model, optimizer)
         self.create_optimizer_state(optimizer)
         return optimizer
+
+    def ready_optimizers(self, models: list, optimizers: list, moved: dict[int, Any]) -> None:
+        """Optimizers built before their models were wrapped (accelerate's ``prepare`` of any order): re-pointed at
+        the sharded parameters (``moved``: id of an original parameter -> its sharded one), checked to hold prepared
+        models' parameters only, readied by the engine (e.g. fp32 master copies), their state created."""
+        from .optimizers import check_optimizer_parameters, repoint_optimizer, updated_parameter_ids
+
+        if not models:
+            return
+        sharded = updated_parameter_ids(models)
+        for optimizer in optimizers:
+            check_optimizer_parameters(repoint_optimizer(optimizer, moved, sharded))
+        for model in models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
+            for optimizer in optimizers:
+                self.engine.prepare_optimizer(model, optimizer)
+        for optimizer in optimizers:  # after every model's, so the state is made for what is updated
+            self.create_optimizer_state(optimizer)
 
     def create_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Create now, sharded like the parameters, the state ``optimizer`` would make in its first step, so the
