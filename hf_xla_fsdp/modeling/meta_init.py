@@ -123,12 +123,14 @@ def resolve_source(source: Any) -> ModelSource:
         return ModelSource(config=AutoConfig.from_pretrained(str(path)))
     if not path.is_dir():
         cached = local_model_dir(source)
-        if cached is None:
+        if cached is None and _REPO_ID.match(str(source)):
             from huggingface_hub.constants import HF_HUB_CACHE
 
-            raise ConfigError(f"{source!r} is neither a PretrainedConfig, a config.json file, a local model directory nor "
-                              f"a model in the local Hugging Face cache ({HF_HUB_CACHE}): download it first "
-                              f"(`hf download {source}`) or give a local directory")
+            raise ConfigError(f"{source!r} is neither a local model directory nor a model in the local Hugging Face "
+                              f"cache ({HF_HUB_CACHE}): download it first (`hf download {source}`), or give a local "
+                              "directory, a config.json or a PretrainedConfig")
+        if cached is None:
+            raise ConfigError(f"{source!r} is neither a PretrainedConfig, a config.json file nor a local model directory")
         path = cached
     if not (path / "config.json").is_file():
         if (path / "adapter_config.json").is_file():
