@@ -41,19 +41,33 @@ POD_PACKAGES = ("hf_xla_fsdp", "torch", "torch_xla", "transformers", "accelerate
                 "safetensors")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (unless it says it already, or there is none to say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.required or action.default in (None, argparse.SUPPRESS)
+                or "(default:" in text or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The launcher's options (shared by ``hf-xla-fsdp launch`` and ``python -m hf_xla_fsdp.launch``)."""
-    parser.add_argument("--config_file", "--config-file", default=None,
+    parser.add_argument("--config-file", "--config_file", dest="config_file", default=None,
                         help="accelerate YAML (the file `accelerate launch --config_file` reads); its fsdp_config: "
-                             "mapping gives settings, mixed_precision and num_processes apply")
-    parser.add_argument("--fsdp_config", "--fsdp-config", default=None,
-                        help="settings (JSON file or inline JSON) for scripts that name none themselves")
-    parser.add_argument("--num_processes", "--num-processes", type=int, default=None,
-                        help="FSDP v1: processes on this host, started with xmp.spawn as accelerate does on XLA "
-                             "(XLA:CPU: sets CPU_NUM_DEVICES). FSDP v2 runs one process per host")
-    parser.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
-                        help="as accelerate's: the compute dtype of Accelerator scripts")
-    parser.add_argument("--no_pod_check", action="store_true",
+                             "mapping gives settings, mixed_precision and num_processes apply (default: none)")
+    parser.add_argument("--fsdp-config", "--fsdp_config", dest="fsdp_config", default=None,
+                        help="settings (JSON file or inline JSON) for scripts that name none themselves (default: "
+                             "none; the script's own --fsdp_config and the YAML's apply too)")
+    parser.add_argument("--num-processes", "--num_processes", dest="num_processes", type=int, default=None,
+                        help="engines with a process per device (FSDP v1): processes on this host, started with "
+                             "xmp.spawn as accelerate does on XLA (XLA:CPU: sets CPU_NUM_DEVICES) (default: the "
+                             "YAML's, else the script runs in the launcher's process); FSDP v2 runs one per host")
+    parser.add_argument("--mixed-precision", "--mixed_precision", dest="mixed_precision", choices=("no", "bf16", "fp16"),
+                        default=None, help="as accelerate's: the compute dtype (compute_dtype, never autocast) of the "
+                                           "script's Trainer or Accelerator (default: the YAML's, else none)")
+    parser.add_argument("--no-pod-check", "--no_pod_check", dest="no_pod_check", action="store_true",
                         help="skip the check that every host runs the same script, settings and versions")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, as `python -m` does")
     parser.add_argument("script", help="the training script (or module, with -m)")
@@ -61,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _VALUED = {"--config_file", "--config-file", "--fsdp_config", "--fsdp-config", "--num_processes", "--num-processes",
-           "--mixed_precision", "--mixed-precision"}
+           "--mixed_precision", "--mixed-precision"}  # the options that take a value (the next argument)
 
 
 def split_command_line(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -247,7 +261,9 @@ def launch(ns: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m hf_xla_fsdp.launch") -> int:
     """``python -m hf_xla_fsdp.launch`` (and ``hf-xla-fsdp launch``)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("``", ""),
+                                     allow_abbrev=False,
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
     return launch(parse_command_line(parser, sys.argv[1:] if argv is None else argv))
 

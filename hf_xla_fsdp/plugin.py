@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 import torch
 
 from .config import resolve as sources
+from .config.engines import ENGINE_LAUNCHERS, ENGINE_NAMES, ENGINE_TITLES  # noqa: F401 - re-exported, as before
 from .config.keys import normalize, read_accelerate_yaml
 from .errors import ConfigError
 from .modeling.tensor_parallel import parse_plan
@@ -36,19 +37,6 @@ CHECKPOINT_FORMATS = ("sharded", "sharded+consolidated")
 CHECKPOINT_STORAGES = ("auto", "shared", "local", "object")  # checkpoint/storage.py: one backend each
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
-
-#: the engines ``version`` selects (``hf_xla_fsdp.engines.ENGINES`` implements each; a test keeps them equal)
-ENGINE_TITLES = {1: "FSDP v1 (XlaFullyShardedDataParallel)", 2: "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
-#: the name each engine writes into training records (a test keeps them equal to the engines' ``name``)
-ENGINE_NAMES = {1: "xla_fsdp_v1", 2: "xla_fsdp_v2"}
-#: accelerate's ``distributed_type`` each engine runs under, and the fix when it is another
-ENGINE_LAUNCHERS = {
-    1: (("XLA", "TPU"), "XLA FSDP needs distributed_type: XLA"),
-    # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
-    2: (("NO",), "FSDP v2 (SPMD) drives every device from one process; set distributed_type: NO and num_processes: 1 "
-                 "(see examples/xla_fsdp_v2.yaml)"),
-}
-
 
 def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg: bool = False,
             engines: Sequence[int] = (1, 2), minimum: int = 0,

@@ -185,6 +185,18 @@ def untested(versions: Mapping[str, Optional[str]],
     return found
 
 
+def tested_combination(versions: Mapping[str, Optional[str]], tested: Mapping[str, tuple[str, str]] = TESTED,
+                       ) -> Optional[str]:
+    """Which combination the suite ran the installed ``versions`` are: ``"constraints/tested.txt"`` (every package at
+    the top of its tested range), ``"constraints/oldest.txt"`` (every one at the bottom), or None (packages not
+    installed are not judged). A mix of versions inside the ranges is no combination the suite ran."""
+    judged = {p: _release(v) for p, v in versions.items() if v is not None and p in tested}
+    for name, end in (("constraints/tested.txt", 1), ("constraints/oldest.txt", 0)):
+        if all(release is not None and release == _release(tested[p][end]) for p, release in judged.items()):
+            return name
+    return None
+
+
 def version_warning(versions: Mapping[str, Optional[str]], ours: str,
                     tested: Mapping[str, tuple[str, str]] = TESTED) -> Optional[str]:
     """The one warning line for the installed ``versions`` (name -> version, None: not installed) with hf_xla_fsdp

@@ -17,8 +17,8 @@ from typing import Any, Optional, Union
 from ..checkpoint.consolidate import TRAINING_INFO, consolidate
 from ..checkpoint.layout import check_output, prepare_output, publish
 from ..checkpoint.safetensors_io import SafetensorsReader
+from ..config.engines import ENGINE_NAMES, ENGINE_TITLES
 from ..errors import ConfigError, PushError
-from ..plugin import ENGINE_NAMES, ENGINE_TITLES
 
 __all__ = ["PushError", "count_parameters", "export", "push_folder", "render_card", "template_text"]
 _PIPELINES = (("ForCausalLM", "text-generation", "AutoModelForCausalLM"), ("ForMaskedLM", "fill-mask", "AutoModelForMaskedLM"),
@@ -34,7 +34,7 @@ def template_text() -> str:
     return files("hf_xla_fsdp").joinpath("templates", "model_card.md").read_text(encoding="utf-8")
 
 
-# training records name the engine; its title comes from the plugin's table of engines (the engines themselves are
+# training records name the engine; its title comes from the table of engines (config/engines.py) (the engines themselves are
 # not imported here: no XLA runtime)
 _ENGINE_TITLES = {ENGINE_NAMES[version]: title for version, title in ENGINE_TITLES.items()}
 

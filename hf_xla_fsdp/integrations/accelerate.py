@@ -1,18 +1,11 @@
-"""XLA FSDP through ``accelerate launch --config_file xla_fsdp.yaml``: :class:`XlaFsdpAccelerator`.
+"""XLA FSDP through accelerate: :class:`XlaFsdpAccelerator`, an ``Accelerator`` whose models are XLA FSDP models,
+so a script written for ``Accelerator`` runs with one swapped import (settings: :mod:`hf_xla_fsdp.config.accelerate_args`).
 
-An ``accelerate.Accelerator`` whose models are XLA FSDP models configured by the accelerate YAML (found as
-:mod:`hf_xla_fsdp.config.sources` says), so a script written for ``Accelerator`` runs with one swapped import.
-The work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`); this class maps accelerate's API onto it:
-
-* ``prepare`` wraps the model (or keeps a model already built with :meth:`build_model`); an optimizer built before
-  ``prepare`` on the unwrapped model's parameters (any groups) is re-pointed at the sharded parameters;
-* gradients are never all-reduced again after FSDP's reduce-scatter (``optimizer.step()`` stays a plain step) and
-  ``clip_grad_norm_``'s norm spans every rank's shards;
-* ``save_state``/``load_state`` write and read sharded rank checkpoints (automatic naming and rotation of
-  ``ProjectConfiguration``, registered objects included); ``accelerator.preempted`` turns True once SIGTERM has
-  arrived; ``get_state_dict``, ``unwrap_model(model).save_pretrained(...)`` and ``save_model`` give full weights;
-* ``gather_for_metrics(..., use_gather_object=True)`` and ``accelerate.utils.gather_object`` gather picklable objects
-  (upstream raises ``NotImplementedError`` on XLA): see :func:`hf_xla_fsdp.runtime.all_gather_objects`.
+The work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`): ``prepare`` wraps models and re-points
+optimizers built before it; gradients are never all-reduced again after FSDP's reduce-scatter and clipping spans every
+shard; ``save_state`` / ``load_state`` write and read sharded rank checkpoints; ``get_state_dict``,
+``unwrap_model(model).save_pretrained`` and ``save_model`` give full weights; ``gather_object`` works on XLA
+(:func:`hf_xla_fsdp.runtime.all_gather_objects`). docs/accelerate.md has the details.
 """
 
 from __future__ import annotations
@@ -100,15 +93,7 @@ class XlaFsdpAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """accelerate's ``prepare``; afterwards every prepared optimizer must hold only prepared models' parameters."""
         result = super().prepare(*args, device_placement=device_placement)
-        if self._models:
-            sharded = opt.updated_parameter_ids(self._models)
-            for optimizer in self._optimizers:
-                opt.check_optimizer_parameters(opt.repoint_optimizer(optimizer.optimizer, self._moved_params, sharded))
-            for model in self._models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
-                for optimizer in self._optimizers:
-                    self.xla_fsdp_session.engine.prepare_optimizer(model, optimizer.optimizer)
-            for optimizer in self._optimizers:  # after every model's, so the state is made for what is updated
-                self.xla_fsdp_session.create_optimizer_state(optimizer.optimizer)
+        self.xla_fsdp_session.ready_optimizers(self._models, [o.optimizer for o in self._optimizers], self._moved_params)
         return result
 
     def _get_named_parameters(self, *args: Any, drop_refs: bool = False) -> dict[str, Any]:

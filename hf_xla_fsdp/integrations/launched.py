@@ -1,14 +1,10 @@
-"""Launched scripts: what an unmodified script gets under ``hf-xla-fsdp launch`` or any launcher with
-``HF_XLA_FSDP=1`` (the start-up hook, ``hf_xla_fsdp_hook.pth``).
-
-:func:`install_launch` patches the upstream classes as their modules load (:mod:`hf_xla_fsdp.importhooks`), so the
-script's import order does not matter: ``TrainingArguments`` ready the runtime for the settings, ``transformers.Trainer``
-and every subclass (TRL's, the script's own, defined anywhere and at any time) build the same class with
-``XlaFsdpTrainerMixin`` first (:func:`hf_xla_fsdp.integrations.trainer.xla_fsdp_trainer`: the one way a Trainer gets
-XLA FSDP), and ``accelerate.Accelerator`` itself builds an ``XlaFsdpAccelerator`` (the script's own subclasses stay
-theirs). The mechanics of each patch are :mod:`.patches`'; the settings are the launch's (handed over by the launcher,
-or found by the hook: :func:`hf_xla_fsdp.config.resolve.current_launch_sources`), which ``XlaFsdpTrainer`` and
-``XlaFsdpAccelerator`` resolve together with their own by the one conflict rule.
+"""What an unmodified script gets under ``hf-xla-fsdp launch`` or any launcher with ``HF_XLA_FSDP=1`` (the start-up
+hook): :func:`install_launch` patches upstream classes as their modules load (:mod:`hf_xla_fsdp.importhooks`), so
+import order does not matter. ``TrainingArguments`` ready the runtime; ``transformers.Trainer`` and every subclass
+build ``xla_fsdp_trainer(cls)`` (the one way a Trainer gets XLA FSDP); ``accelerate.Accelerator`` builds an
+``XlaFsdpAccelerator``; ``from_pretrained`` / ``from_config`` load lazily (:mod:`hf_xla_fsdp.modeling.lazy`). How
+each patch works is :mod:`.patches`'; the settings are the launch's
+(:func:`hf_xla_fsdp.config.resolve.current_launch_sources`).
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ from typing import Any, Optional
 
 from .. import importhooks
 from ..config.resolve import current_launch_sources, hook_sources, watch_launch
+from ..modeling import lazy
 from ..plugin import XlaFsdpPlugin
 from ..session.bootstrap import ready_runtime
 from . import patches
@@ -30,6 +27,19 @@ def install_launch() -> None:
     importhooks.when_imported("accelerate.accelerator",
                               lambda module: patches.patch_new(module.Accelerator, launched_accelerator_class,
                                                                "Accelerator.__new__"))
+    # from_pretrained / from_config build like the documented path: weights read block by block when wrapped
+    importhooks.when_imported("transformers.modeling_utils", lambda module: patches.patch_lazy_loading(loads_lazily))
+    importhooks.when_imported("peft.tuners.tuners_utils", patches.patch_peft_for_lazy_models)
+
+
+def loads_lazily() -> bool:
+    """``from_pretrained`` / ``from_config`` return lazily loaded models now (:mod:`hf_xla_fsdp.modeling.lazy`): in a
+    launched process whose settings keep ``meta_init`` (the default), unless switched off."""
+    def launch_meta_init() -> Optional[bool]:
+        sources = current_launch_sources()
+        return None if sources is None else XlaFsdpPlugin.resolve(sources).meta_init
+
+    return lazy.enabled(launch_meta_init)
 
 
 def start(what: str = "the launcher") -> None:

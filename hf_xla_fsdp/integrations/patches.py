@@ -150,3 +150,67 @@ def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
         target.__code__ = _patched_gather_object.__code__
         state.patched.add("gather_object")
     state.gather_object_on_xla = on_xla
+
+
+# --------------------------------------------------------------------------- lazy from_pretrained / from_config
+def patch_lazy_loading(go_lazy: Callable[[], bool]) -> None:
+    """``PreTrainedModel.from_pretrained`` and ``._from_config`` (what ``AutoModel*.from_pretrained`` /
+    ``from_config`` call) return models loaded lazily while ``go_lazy()`` says so
+    (:mod:`hf_xla_fsdp.modeling.lazy`); ``resize_token_embeddings`` loads such a model whole first (it needs the
+    weights). Idempotent."""
+    from transformers import PreTrainedModel
+
+    from ..modeling import lazy
+
+    state = process_state()
+    if "PreTrainedModel.from_pretrained" in state.patched:
+        return
+    loaded = PreTrainedModel.__dict__["from_pretrained"].__func__
+    built = PreTrainedModel.__dict__["_from_config"].__func__
+    resize = PreTrainedModel.resize_token_embeddings
+
+    @functools.wraps(loaded)
+    def from_pretrained(cls: type, name: Any, *args: Any, **kwargs: Any) -> Any:
+        if not go_lazy():
+            return loaded(cls, name, *args, **kwargs)
+        return lazy.lazy_from_pretrained(cls, functools.partial(loaded, cls), name, *args, **kwargs)
+
+    @functools.wraps(built)
+    def _from_config(cls: type, config: Any, **kwargs: Any) -> Any:
+        if not go_lazy():
+            return built(cls, config, **kwargs)
+        return lazy.lazy_from_config(cls, functools.partial(built, cls), config, **kwargs)
+
+    @functools.wraps(resize)
+    def resize_token_embeddings(self: Any, *args: Any, **kwargs: Any) -> Any:
+        found = lazy.lazy_state(self)
+        if found is not None:  # new rows are initialized from the old ones (their mean): the values are needed
+            found.materialize("resize_token_embeddings")
+        return resize(self, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)
+    PreTrainedModel._from_config = classmethod(_from_config)
+    PreTrainedModel.resize_token_embeddings = resize_token_embeddings
+    state.patched.add("PreTrainedModel.from_pretrained")
+
+
+def patch_peft_for_lazy_models(module: Any) -> None:
+    """peft's tuners (``get_peft_model``, ``PeftModel(...)``, ``LoraModel(...)``) load a lazily loaded base model
+    whole first: the adapters they add are made on the base layers' device and initialized there. Idempotent."""
+    from ..modeling import lazy
+
+    tuner = module.BaseTuner
+    original = tuner.__init__
+    if getattr(original, "_hf_xla_fsdp", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+        found = lazy.lazy_state(model)
+        if found is not None:
+            found.materialize(f"peft's {type(self).__name__}")
+        original(self, model, *args, **kwargs)
+
+    __init__._hf_xla_fsdp = True  # type: ignore[attr-defined]
+    tuner.__init__ = __init__
+    process_state().patched.add("peft BaseTuner.__init__")

@@ -1,20 +1,11 @@
-"""XLA FSDP through transformers' ``Trainer`` flags: ``--fsdp --fsdp_config cfg.json``.
+"""XLA FSDP through transformers' ``Trainer``: :class:`XlaFsdpTrainerMixin` (put first in any Trainer subclass's
+bases, or :func:`xla_fsdp_trainer`) and :class:`XlaFsdpTrainer`.
 
-:class:`XlaFsdpTrainer` is a drop-in ``transformers.Trainer`` that reads the same ``TrainingArguments`` (an
-existing transformers XLA ``fsdp_config`` JSON works unchanged, and every plugin setting is accepted too). The
-work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`, shared with its
-:class:`~hf_xla_fsdp.integrations.accelerate.XlaFsdpAccelerator`); this class maps the Trainer onto it:
-
-* the model may be given as a config, a ``config.json`` or a local model directory, and is then built on
-  ``meta`` and materialized, wrapped and sharded block by block; an ``nn.Module`` is wrapped once;
-* ``save_steps`` write sharded rank checkpoints (model shard, optimizer, scheduler, RNG, plus
-  ``trainer_state.json``), published atomically; ``resume_from_checkpoint`` reads only this rank's file;
-* the final ``save_model`` streams the shards into a ``from_pretrained``-ready safetensors model in
-  ``output_dir``, tokenizer and training record included;
-* gradients are not all-reduced again after FSDP's reduce-scatter and clipping takes the norm over every shard.
-
-The private ``Trainer`` methods it overrides are listed, with the signatures relied on, in
-:mod:`hf_xla_fsdp.upstream`.
+The same ``TrainingArguments`` (``--fsdp --fsdp_config``: transformers' XLA keys or any plugin setting) drive it; the
+work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`, shared with its ``XlaFsdpAccelerator``): a model
+given as a config, directory or Hub id (or loaded lazily by the launch) is built block by block; ``save_steps`` write
+sharded rank checkpoints that resume on any world size; ``save_model`` streams a ``from_pretrained``-ready model. The
+private ``Trainer`` methods it overrides are listed in :mod:`hf_xla_fsdp.upstream` (docs/trainer.md has the rest).
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ from .. import upstream
 from ..config.training_args import trainer_settings
 from ..engines import is_wrapped
 from ..errors import ConfigError
+from ..modeling.lazy import lazy_state
 from ..plugin import XlaFsdpPlugin
 from ..process import process_state
 from ..session import PreemptionGuard, XlaFsdpSession
@@ -89,7 +81,8 @@ class XlaFsdpTrainerMixin:
         self.xla_fsdp_session.setup_runtime(
             counted_processes=args.world_size,
             what=f"TrainingArguments (accelerate's PartialState, {args.world_size} process(es) counted)")
-        if model is not None and trainer_kwargs.get("peft_config") is not None and not isinstance(model, nn.Module):
+        if model is not None and trainer_kwargs.get("peft_config") is not None and (
+                not isinstance(model, nn.Module) or lazy_state(model) is not None):
             # TRL's peft_config with a model path: adapters attached on meta, the base read block by block (never
             # whole on the host); the subclass then receives a PeftModel and attaches nothing itself
             model = self._materialize(model, args, wrap_root=False, peft_config=trainer_kwargs.pop("peft_config"))
@@ -179,12 +172,13 @@ class XlaFsdpTrainerMixin:
                      ) -> nn.Module:
         from transformers import set_seed
 
-        if isinstance(model, nn.Module):
+        if isinstance(model, nn.Module) and lazy_state(model) is None:
             return model if is_wrapped(model) or not wrap_root else self.xla_fsdp_session.wrap_model(model)
-        if not isinstance(model, (PretrainedConfig, str, os.PathLike)):
-            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json or a local model "
-                              f"directory, not {type(model).__name__}")
-        set_seed(args.seed)  # the same initial weights as building the model after set_seed in run_clm
+        if not isinstance(model, (nn.Module, PretrainedConfig, str, os.PathLike)):
+            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json, a local model directory "
+                              f"or a Hub id in the local cache, not {type(model).__name__}")
+        if not isinstance(model, nn.Module) or peft_config is not None:  # a model loaded lazily is built, not drawn
+            set_seed(args.seed)  # the same initial weights (adapters) as building after set_seed in run_clm (TRL)
         return self.xla_fsdp_session.build_model(model, progress=args.should_log, wrap_root=wrap_root,
                                                  peft_config=peft_config)
 

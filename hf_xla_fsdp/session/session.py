@@ -77,7 +77,8 @@ class XlaFsdpSession:
     def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
                     dtype: torch.dtype = torch.float32, progress: bool = True, wrap_root: bool = True,
                     peft_config: Any = None, evaluation_mode: bool = False) -> nn.Module:
-        """Build ``source`` (a config, a ``config.json`` or a local pretrained directory) wrapped with XLA FSDP.
+        """Build ``source`` (a config, a ``config.json``, a local pretrained directory, a Hub id in the local cache, or
+        a model loaded lazily by ``from_pretrained`` / ``from_config`` under the launch) wrapped with XLA FSDP.
 
         With the plugin's ``meta_init`` (the default) each block is materialized, wrapped and sharded in turn, so the
         whole model never exists on the host; otherwise the model is built eagerly and then wrapped (the reference
@@ -85,10 +86,15 @@ class XlaFsdpSession:
         ``peft.LoraConfig``) attaches adapters on ``meta`` first and returns the wrapped ``PeftModel``.
         ``evaluation_mode``: a model for inference only (a reference, teacher or reward model; see :meth:`wrap_model`).
         """
+        from ..modeling.lazy import lazy_state
         from ..modeling.meta_init import build_eager, build_sharded, resolve_source
 
         if evaluation_mode and peft_config is not None:
             raise ConfigError("a model in evaluation mode trains nothing: build it without peft_config")
+        lazy = lazy_state(source)
+        if lazy is not None:
+            return self._build_lazy(source, lazy, wrap_root=wrap_root, progress=progress, peft_config=peft_config,
+                                    evaluation_mode=evaluation_mode)
         src = resolve_source(source)
         self.setup_runtime()
         self._resolve_tensor_parallel(src.config)
@@ -106,8 +112,38 @@ class XlaFsdpSession:
         return build_sharded(src, self.plugin, wrap_block=block, wrap_root=root, model_cls=model_cls, dtype=dtype,
                              progress=progress, peft_config=peft_config)
 
+    def _build_lazy(self, model: nn.Module, lazy: Any, *, wrap_root: bool, progress: bool, peft_config: Any,
+                    evaluation_mode: bool = False) -> nn.Module:
+        """A model loaded lazily (:mod:`hf_xla_fsdp.modeling.lazy`): its own skeleton filled and sharded block by block
+        from its weight files (or recorded init), as :meth:`build_model` builds a directory."""
+        from ..modeling.lazy import check_no_foreign_meta
+        from ..modeling.meta_init import build_sharded
+
+        check_no_foreign_meta(model, lazy)
+        self.setup_runtime()
+        self._resolve_tensor_parallel(getattr(model, "config", None))
+        if not self.plugin.meta_init:
+            lazy.materialize("meta_init: false")
+            if peft_config is not None:
+                from ..modeling.adapters import require_peft
+
+                model = require_peft().get_peft_model(model, peft_config)
+            if wrap_root:
+                return self.wrap_model(model, evaluation_mode=evaluation_mode)
+            return self._wrap_blocks(model, evaluation_mode) if evaluation_mode else model
+        state = torch.get_rng_state()
+        lazy.release()
+        try:
+            block = functools.partial(self._wrap_block, evaluation_mode=evaluation_mode)
+            root = functools.partial(self._wrap_root, evaluation_mode=evaluation_mode) if wrap_root else None
+            return build_sharded(lazy.skeleton.source, self.plugin, wrap_block=block, progress=progress, wrap_root=root,
+                                 peft_config=peft_config, skeleton=lazy.skeleton)
+        finally:
+            if peft_config is None:  # loading draws nothing at wrap time eagerly; adapters draw now, as peft would
+                torch.set_rng_state(state)
+
     def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
-        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``.
+        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model`` (or of one loaded lazily).
 
         ``evaluation_mode``: the model only runs forward (a reference, teacher or reward model). Its parameters are
         frozen before they are sharded, so it has no gradients, no fp32 master copies and is never given to an
@@ -115,6 +151,12 @@ class XlaFsdpSession:
         block is its own unit whatever ``sharding`` says (there is no backward whose all-gathers zero2 would save);
         it is put in ``eval()`` mode (no dropout).
         """
+        from ..modeling.lazy import lazy_state
+
+        lazy = lazy_state(model)
+        if lazy is not None:
+            return self._build_lazy(model, lazy, wrap_root=True, progress=True, peft_config=None,
+                                    evaluation_mode=evaluation_mode)
         self._check_not_wrapped(model)
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
@@ -205,6 +247,23 @@ class XlaFsdpSession:
         self.engine.prepare_optimizer(model, optimizer)
         self.create_optimizer_state(optimizer)
         return optimizer
+
+    def ready_optimizers(self, models: list, optimizers: list, moved: dict[int, Any]) -> None:
+        """Optimizers built before their models were wrapped (accelerate's ``prepare`` of any order): re-pointed at
+        the sharded parameters (``moved``: id of an original parameter -> its sharded one), checked to hold prepared
+        models' parameters only, readied by the engine (e.g. fp32 master copies), their state created."""
+        from .optimizers import check_optimizer_parameters, repoint_optimizer, updated_parameter_ids
+
+        if not models:
+            return
+        sharded = updated_parameter_ids(models)
+        for optimizer in optimizers:
+            check_optimizer_parameters(repoint_optimizer(optimizer, moved, sharded))
+        for model in models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
+            for optimizer in optimizers:
+                self.engine.prepare_optimizer(model, optimizer)
+        for optimizer in optimizers:  # after every model's, so the state is made for what is updated
+            self.create_optimizer_state(optimizer)
 
     def create_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Create now, sharded like the parameters, the state ``optimizer`` would make in its first step, so the

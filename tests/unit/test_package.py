@@ -363,6 +363,24 @@ def test_only_the_engines_test_which_engine_runs(tmp_path: Path) -> None:
     assert [hit.split(":")[1] for hit in engine_tests(probe)] == ["1", "2", "4", "6"]
 
 
+# ---------------------------------------------------------------- the architecture page names every module
+
+
+def test_every_module_is_named_in_the_architecture_page() -> None:
+    """docs/architecture.md's layout table names every module by its path in the package (``config/resolve.py``;
+    the top package's ``__init__`` as ``hf_xla_fsdp/__init__.py``), so the page cannot drift from the code."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
+    missing = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        shown = str(path.relative_to(PACKAGE_DIR))
+        if shown == "__init__.py":
+            shown = f"{PACKAGE}/__init__.py"
+        if shown not in rows:
+            missing.append(shown)
+    assert not missing, f"docs/architecture.md (Layout) does not name: {', '.join(missing)}"
+
+
 # ---------------------------------------------------------------- the installed wheel works
 
 
