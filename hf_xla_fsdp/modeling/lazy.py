@@ -306,4 +306,6 @@ def enabled(launch_meta_init: Callable[[], Optional[bool]]) -> bool:
     meta construction (``launch_meta_init()``: None outside a launch)."""
     if BYPASS.get() or os.environ.get(LAZY_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
+    if torch.get_default_device().type == "meta":  # the caller builds on meta itself (e.g. to list a model's tensors)
+        return False
     return bool(launch_meta_init())
