@@ -8,9 +8,10 @@ own padding value (:data:`PAD_VALUES`), on the side the collator padded; so a ru
 bucket. Padding-free batches (several sequences flattened into one row, with ``position_ids`` that restart and no
 attention mask: TRL's packing and ``padding_free``, transformers' ``DataCollatorWithFlattening``) get the padding as
 one more sequence after the last (``position_ids`` from 0, ``seq_idx`` + 1, ``cu_seq_lens_*`` extended), so no real
-token sees it. A default never breaks a batch the model takes: a loader's first length is kept (batches that already
-have a fixed length pass untouched), and a field whose padding value is unknown leaves its batches unpadded with one
-warning (per field and process) naming the field and the recompiles it costs.
+token sees it. A default never breaks a batch the model takes: batches that already have a fixed length pass untouched
+(rows of one length, or a loader's first length when its rows cannot be seen), and a field whose padding value is
+unknown leaves its batches unpadded with one warning (per field and process) naming the field and the recompiles it
+costs.
 
 :func:`watch_loader` makes a prepared (device) loader count the runtime's compiles between two batches
 (``UncachedCompile``, a counter read: no hashing) and, after warm-up, log one line naming the batch, the input shapes
@@ -154,9 +155,10 @@ class BucketPadder:
     """A ``collate_fn`` that pads what ``collate_fn`` returns up to the bucket lengths (picklable for workers).
 
     Each per-token tensor of the batch (2-D, ``[batch, tokens]``; the keys of ``PAD_VALUES``) is padded along its
-    token dimension to ``bucket_length`` of its own length (see :func:`pad_batch`). With ``keep_first`` (the default)
-    the loader's first lengths are kept as they are, so batches that already have a fixed length pass untouched (a
-    loader of varied lengths compiles that one length more); without it every batch is bucketed. An
+    token dimension to ``bucket_length`` of its own length (see :func:`pad_batch`). With ``keep_first`` (the default;
+    :func:`pad_loader` turns it off for a dataset whose rows vary in length) the loader's first lengths are kept as
+    they are, so batches that already have a fixed length pass untouched (a loader of varied lengths it cannot see
+    compiles that one length more); without it every batch is bucketed. An
     ``attention_mask`` is added to a padded batch with ``input_ids`` and none (not to a padding-free one), and from
     then on to every batch, so padded and unpadded batches share a graph. A batch holding another 2-D tensor as long
     as a padded field is left unpadded,
@@ -330,14 +332,41 @@ def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optio
         return out
 
 
+def rows_vary_in_length(dataset: Any) -> bool:
+    """True when ``dataset``'s rows are known to have different token counts, so a collator that pads to the longest
+    row makes a new length nearly every batch: a ``datasets.Dataset`` with an ``input_ids`` column (read from the
+    Arrow lengths, nothing decoded), or a list of rows. False when they all have one length or it cannot tell (an
+    iterable or streaming dataset: :class:`BucketPadder` then keeps the loader's first length, see ``keep_first``)."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - a dependency of the package
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset) and "input_ids" in dataset.column_names:
+        import pyarrow.compute as pc
+
+        try:
+            lengths = pc.min_max(pc.list_value_length(dataset.data.column("input_ids")))
+        except Exception:  # noqa: BLE001 - not a list column: nothing to tell
+            return False
+        return lengths["min"].as_py() != lengths["max"].as_py()
+    if isinstance(dataset, (list, tuple)) and 0 < len(dataset) <= 100_000:
+        rows = [r.get("input_ids") if isinstance(r, Mapping) else r for r in dataset]
+        lengths = {len(r) for r in rows if isinstance(r, (list, tuple, torch.Tensor))}
+        return len(lengths) > 1
+    return False
+
+
 def pad_loader(loader: Any, buckets: Buckets, *, models: Optional[Callable[[], Iterable[Any]]] = None,
                errors: Optional[list] = None) -> Any:
     """``loader`` with its ``collate_fn`` wrapped in a :class:`BucketPadder` (once); unchanged when off or when it
-    has no ``collate_fn``. ``errors`` collects refusals for the training thread to raise (see :func:`watch_loader`)."""
+    has no ``collate_fn``. Rows of varied length (:func:`rows_vary_in_length`) are bucketed from the first batch on;
+    otherwise the first batch's lengths are kept (rows of one length pass untouched). ``errors`` collects refusals
+    for the training thread to raise (see :func:`watch_loader`)."""
     fn = getattr(loader, "collate_fn", None)
     if buckets is False or fn is None or isinstance(fn, BucketPadder):
         return loader
-    loader.collate_fn = BucketPadder(fn, buckets, models=models, errors=errors)
+    keep_first = not rows_vary_in_length(getattr(loader, "dataset", None))
+    loader.collate_fn = BucketPadder(fn, buckets, models=models, errors=errors, keep_first=keep_first)
     return loader
 
 
@@ -503,4 +532,5 @@ def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
 
 
 __all__ = ["BucketPadder", "RecompileWatch", "UnpaddableField", "bucket_length", "bucket_lengths", "compile_count",
-           "is_padding_free", "pad_batch", "pad_loader", "signature", "token_lengths", "watch_loader"]
+           "is_padding_free", "pad_batch", "pad_loader", "rows_vary_in_length", "signature", "token_lengths",
+           "watch_loader"]

@@ -164,7 +164,7 @@ def test_loader_collate_fn_is_wrapped_once_and_stays_picklable():
     shapes.pad_loader(loader, True)
     shapes.pad_loader(loader, True)
     assert isinstance(loader.collate_fn, BucketPadder) and not isinstance(loader.collate_fn.collate_fn, BucketPadder)
-    assert [b["input_ids"].shape[1] for b in loader] == [9, 128]  # the loader's first length is kept
+    assert [b["input_ids"].shape[1] for b in loader] == [64, 128]
     assert pickle.loads(pickle.dumps(loader.collate_fn))(features([3]))["input_ids"].shape == (1, 64)
     off = torch.utils.data.DataLoader(features([5]), collate_fn=loader.collate_fn.collate_fn)
     assert shapes.pad_loader(off, False).collate_fn is loader.collate_fn.collate_fn
@@ -457,17 +457,31 @@ def test_per_token_masks_of_trl_and_transformers_pad_with_their_neutral_value():
 
 
 def test_batches_of_a_fixed_length_pass_untouched():
-    """run_clm's blocks (default_data_collator), padding to max_length, TRL's wrapped packing: every batch as long as
-    the first is the collator's own object, not padded to a bucket (32 -> 64 would double the step's work)."""
-    from transformers import default_data_collator
+    """run_clm's blocks (default_data_collator), padding to max_length, TRL's wrapped packing: a loader over rows of
+    one length gives the collator's own batches, never padded to a bucket (32 -> 64 would double the step's work);
+    rows of varied length are bucketed from the first batch; rows it cannot see keep the loader's first length."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, default_data_collator
 
-    padder = BucketPadder(default_data_collator, True)
-    blocks = [{"input_ids": f["input_ids"], "labels": f["input_ids"]} for f in features([32] * 6, seed=8)]
-    for i in range(0, 6, 2):
-        made = default_data_collator(blocks[i:i + 2])
-        out = padder(blocks[i:i + 2])
-        assert set(out) == set(made) and all(torch.equal(out[k], made[k]) for k in made)
-    assert "attention_mask" not in out and out["input_ids"].shape == (2, 32)
-    other = padder([{"input_ids": [5] * 20, "labels": [5] * 20}])  # another length: bucketed, masked from now on
-    assert other["input_ids"].shape == (1, 64) and other["attention_mask"][:, 20:].sum() == 0
-    assert padder(blocks[:2])["attention_mask"].all()  # the first length again: unpadded, same inputs as the others
+    def loader(rows, collate, **kw):
+        return shapes.pad_loader(torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collate, **kw), True)
+
+    blocks = Dataset.from_list([{"input_ids": f["input_ids"], "labels": f["input_ids"]}
+                                for f in features([32] * 6, seed=8)])
+    for got, made in zip(loader(blocks, default_data_collator),
+                         torch.utils.data.DataLoader(blocks, batch_size=2, collate_fn=default_data_collator)):
+        assert set(got) == set(made) and all(torch.equal(got[k], made[k]) for k in made)  # no mask added either
+    stock = DataCollatorForLanguageModeling(word_tokenizer(), mlm=False)
+    varied = Dataset.from_list(features([5, 9, 70, 3]))
+    assert shapes.rows_vary_in_length(varied) and not shapes.rows_vary_in_length(blocks)
+    assert [b["input_ids"].shape[1] for b in loader(varied, stock)] == [64, 128]
+
+    class Stream(torch.utils.data.IterableDataset):  # rows it cannot see: the first length is kept
+        def __iter__(self):
+            yield from features([32, 32, 20, 20], seed=9)
+
+    padder = BucketPadder(stock, True)
+    out = [padder(list(pair)) for pair in zip(*[iter(Stream())] * 2)]
+    assert [b["input_ids"].shape[1] for b in out] == [32, 64]
+    assert out[1]["attention_mask"][:, 20:].sum() == 0
+    assert padder(features([32, 32]))["attention_mask"].all()  # the first length again: unpadded, masked like the rest
