@@ -71,8 +71,6 @@ RELIED_ON: tuple[Upstream, ...] = (
     _t(f"{_TRAINER}._get_output_dir", ("trial",), "where checkpoint-N goes", override=False),
     _t(f"{_TRAINER}._push_from_checkpoint", ("checkpoint_folder",), "Hub pushes of published checkpoints", override=False),
     _t(f"{_TRAINER}.store_flos", (), "trainer state of a checkpoint", override=False),
-    _t("transformers.trainer_utils:rotate_checkpoints",
-       ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"), "save_total_limit", override=False),
     _t("transformers.trainer:TRAINER_STATE_NAME", None, "trainer_state.json of a checkpoint"),
     _t("transformers.training_args:TrainingArguments._setup_devices", None,
        "patched: FSDP v2 starts SPMD before accelerate's PartialState takes the device"),

@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 
 from .. import runtime, upstream
+from ..checkpoint.layout import ACCELERATE_PREFIX
 from ..config.accelerate_args import accelerator_settings
 from ..engines import is_wrapped, unit_classes
 from ..errors import ConfigError
@@ -195,10 +196,11 @@ class XlaFsdpAccelerator(Accelerator):
         checkpoints = self.xla_fsdp_session.checkpoints
         checkpoints.wait()  # the previous save is published (and rotated) before this one is named
         config = self.project_configuration
+        series = checkpoints.series(self._checkpoints_dir(), ACCELERATE_PREFIX)  # naming, latest, rotation
         if output_dir is None:
             if not config.automatic_checkpoint_naming:
                 raise ConfigError("save_state needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
-            output_dir = self._checkpoints_dir() / f"checkpoint_{self.save_iteration}"
+            output_dir = series.path(self.save_iteration)
             if output_dir.exists():
                 raise ConfigError(f"checkpoint directory {output_dir} already exists; set accelerator.project_configuration"
                                   ".iteration to the iteration to continue from")
@@ -217,7 +219,7 @@ class XlaFsdpAccelerator(Accelerator):
                                "accelerator.load_state(%s)", path, step,
                                "" if config.automatic_checkpoint_naming else f"'{path}'")
             if config.automatic_checkpoint_naming and config.total_limit is not None and self.is_main_process:
-                checkpoints.rotate(self._checkpoints_dir(), "checkpoint_", config.total_limit)
+                series.rotate(config.total_limit)
 
         # SIGTERM: this save is the last one, so it is written before save_state returns
         checkpoints.save(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(), step=step, extra=extra,
@@ -237,11 +239,11 @@ class XlaFsdpAccelerator(Accelerator):
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ConfigError("load_state needs the checkpoint directory to resume from (or automatic checkpoint naming)")
-            found = checkpoints.numbered(self._checkpoints_dir(), "checkpoint_")
-            if not found:
-                raise ConfigError(f"no checkpoint_<i> directory under {self._checkpoints_dir()} to resume from")
-            input_dir = found[-1]
-            self.project_configuration.iteration = int(found[-1].name.rsplit("_", 1)[1]) + 1
+            series = checkpoints.series(self._checkpoints_dir(), ACCELERATE_PREFIX)
+            input_dir = series.latest()  # the highest complete one: a save killed midway is skipped
+            if input_dir is None:
+                raise ConfigError(f"no complete checkpoint_<i> directory under {self._checkpoints_dir()} to resume from")
+            self.project_configuration.iteration = series.next_number()  # never over an incomplete directory
         input_dir = Path(input_dir)
         info = checkpoints.load(input_dir, self._fsdp_model(), self._optimizer(), self._scheduler())
         for index, obj in enumerate(self._custom_objects):

@@ -106,12 +106,12 @@ class XlaFsdpTrainerMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; with ``save_on_preemption`` (and checkpoints on), SIGTERM saves ``checkpoint-N`` at the
         next step boundary, stops training, logs where it saved and exits the process with code 0."""
-        from ..checkpoint.layout import latest_checkpoint
+        from ..checkpoint.layout import TRAINER_PREFIX
 
         session = self.xla_fsdp_session
         if kwargs.get("resume_from_checkpoint") is True or (args and args[0] is True):
             # transformers picks the highest checkpoint-N; only a marked one is complete (object storage writes in place)
-            latest = latest_checkpoint(self.args.output_dir)
+            latest = session.checkpoints.series(self.args.output_dir, TRAINER_PREFIX).latest()
             if latest is not None:
                 kwargs["resume_from_checkpoint"], args = str(latest), args[1:]
         save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
@@ -229,17 +229,20 @@ class XlaFsdpTrainerMixin:
         adapter files, as in a stock checkpoint-N), published atomically."""
         from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_callback import ExportableState
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+        from transformers.trainer_utils import SaveStrategy
+
+        from ..checkpoint.layout import TRAINER_PREFIX
 
         checkpoints = self.xla_fsdp_session.checkpoints
         checkpoints.wait()  # the previous checkpoint is published before this one is named and rotated
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
-        output_dir = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        series = checkpoints.series(run_dir, TRAINER_PREFIX)  # the one policy: naming, latest, rotation
+        output_dir = series.path(self.state.global_step)
         if self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] \
                 and self.state.best_global_step:
-            best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            best = series.path(self.state.best_global_step)
             if best == output_dir or best.exists():
                 self.state.best_model_checkpoint = str(best)
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
@@ -260,8 +263,7 @@ class XlaFsdpTrainerMixin:
             if self.args.push_to_hub:
                 self._push_from_checkpoint(str(path))
             if self.args.should_save:
-                rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+                series.rotate(self.args.save_total_limit, protect=[self.state.best_model_checkpoint])
 
         only_model = self.args.save_only_model
         checkpoints.save(output_dir, self.model, None if only_model else self._raw_optimizer(),
