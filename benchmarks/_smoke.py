@@ -53,7 +53,8 @@ def warm_up() -> None:
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ["HF_XLA_FSDP_COMPILATION_CACHE"] = "none"  # a smoke run never writes the user's cache
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *FAST_COMPILE]).strip()
+    flags = os.environ.get("XLA_FLAGS", "").split()  # the test suite's conftest may have set them already
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in FAST_COMPILE if f not in flags])
     for name in WARM:
         importlib.import_module(name)
     sys.path.insert(0, str(HERE))

@@ -108,7 +108,7 @@ class XlaFsdpPlugin:
     sharding_world_size: Optional[int] = setting(None, "size of the sharding group", fsdp_kwarg=True, engines=_V1)
     replica_size: int = setting(1, "FSDP v2: devices form a (replica_size, N / replica_size) mesh; parameters are "
                                    "split over the second axis and replicated over the first (hybrid when > 1)",
-                                minimum=1)
+                                engines=(2,), minimum=1)
     tensor_parallel_size: Union[int, str] = setting(
         1, "FSDP v2: devices form a (replica_size, fsdp, T) mesh with fsdp = devices / (replica_size x T); inside each "
            "block attention is split by heads and the MLP by its intermediate dim over the T devices (and the "
