@@ -54,12 +54,13 @@ def child_build_fsdp2(model: dict) -> None:
     """One of N torchrun processes builds its rank; rank 0 reports its own peak."""
     import torch
     import torch.distributed as dist
-    from transformers import LlamaConfig
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,  # noqa: F401 - the model class's import (~50 MiB) is not the build's
+    )
 
     from hf_xla_fsdp import XlaFsdpPlugin
     from hf_xla_fsdp.session import XlaFsdpSession
-
-    from transformers import LlamaForCausalLM  # noqa: F401 - the model class's import (~50 MiB) is not the build's
 
     plugin = XlaFsdpPlugin(engine="fsdp2", transformer_layer_cls_to_wrap=["LlamaDecoderLayer"])
     session = XlaFsdpSession(plugin)

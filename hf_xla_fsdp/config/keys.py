@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping, Union
+from typing import Any, Collection, Mapping, Union
 
 from ..errors import ConfigError
 from ..settings import parse_bool, parse_int
@@ -93,10 +93,12 @@ def _accelerate_key(key: str, value: Any, out: dict[str, Any], source: str) -> b
 
 
 def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], aliases: Mapping[str, str],
-              fsdp_kwargs: list[str]) -> dict[str, Any]:
+              fsdp_kwargs: list[str], one_process_engines: Collection[int] = ()) -> dict[str, Any]:
     """Map transformers/accelerate spellings onto the plugin's field names; reject anything unknown.
 
-    ``fields``, ``aliases`` (alias -> field) and ``fsdp_kwargs`` describe the plugin (see its field metadata).
+    ``fields``, ``aliases`` (alias -> field) and ``fsdp_kwargs`` describe the plugin (see its field metadata);
+    ``one_process_engines``: the ``version`` values whose engine drives every device from one process (what accelerate's
+    ``fsdp_version: 2`` plus ``distributed_type: NO`` can mean on XLA).
     """
     kwargs = fsdp_kwargs
     out: dict[str, Any] = {}
@@ -151,10 +153,11 @@ def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], ali
                           "torch's own FSDP2; keep one of them")
     if out.pop("_torch_fsdp2", False):
         # accelerate's FSDP2 YAML (`accelerate config`: distributed_type FSDP, fsdp_version 2) means torch's fully_shard:
-        # engine fsdp2, unless the settings name XLA FSDP v2 (a v2 config that also says fsdp_version: 2 stays v2)
+        # engine fsdp2, unless the settings name an XLA engine that drives every device from one process (a v2 config
+        # that also says fsdp_version: 2 stays v2)
         if not xla and "version" not in out and engine in ("", "fsdp2"):
             out["engine"] = "fsdp2"
-        elif int(out.get("version", 1)) != 2:
+        elif int(out.get("version", 1)) not in one_process_engines:
             raise ConfigError(f"fsdp_version=2 in {source} selects torch's FSDP2 (fully_shard), which does not run on "
                               "XLA; remove it for XLA FSDP v1 (distributed_type: XLA), set version: 2 with "
                               "distributed_type: NO for XLA FSDP v2 (SPMD), or engine: fsdp2 (without xla) for torch's "

@@ -8,6 +8,7 @@ tests which engine runs. torch_xla is imported inside methods only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -18,7 +19,28 @@ from ..checkpoint.codec import Collectives, RankState, Restored, tag
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
-__all__ = ["Engine", "RankState", "Restored", "host_copies", "host_copy"]
+__all__ = ["EVALUATION_ATTR", "Engine", "PlannedUnit", "RankState", "Restored", "host_copies", "host_copy",
+           "in_evaluation_mode"]
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """One FSDP unit of a meta skeleton, as the planner sees it: its parameters' ``(numel, shape)`` and names (relative
+    to the unit, in the same order), each parameter counted in the innermost unit that holds it."""
+
+    name: str
+    params: tuple[tuple[int, tuple[int, ...]], ...]
+    names: tuple[str, ...]
+
+
+#: set on every unit of a model wrapped in evaluation mode (inference only: frozen, never given to an optimizer)
+EVALUATION_ATTR = "_hf_xla_fsdp_evaluation_mode"
+
+
+def in_evaluation_mode(model: nn.Module) -> bool:
+    """True when ``model`` (or its outermost unit, or any unit of a model whose root is not wrapped yet) was
+    wrapped in evaluation mode."""
+    return any(m.__dict__.get(EVALUATION_ATTR, False) for m in model.modules())
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -78,14 +100,6 @@ class Engine:
     checkpoint_layout: str = ""
     #: one process drives every device (SPMD) instead of one process per device
     spmd: bool = False
-    #: :meth:`setup_runtime` must run before anything else (TrainingArguments, accelerate's state) takes the device
-    setup_first: bool = False
-    #: a rank holds flattened, padded shards (FSDP v1) rather than dim-0 row pieces of each parameter (the planner)
-    flat_shards: bool = False
-
-    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
-        """True when the root unit's parameters stay gathered for the whole step (the planner's working set)."""
-        return False
     #: the module the engine's runtime lives in (None: torch itself), and the extra that installs it
     runtime_module: Optional[str] = "torch_xla"
     runtime_extra: str = "xla"
@@ -164,6 +178,44 @@ class Engine:
         """The one line a script needs when :meth:`runtime_ready` is False (``what`` used the device first)."""
         return f"{what} started the XLA runtime before {self.title} could set it up"
 
+    def processes_per_host(self, requested: Any) -> Optional[int]:
+        """How many processes a launcher starts on a host (one per device, with xmp.spawn), ``requested`` being what
+        the user asked for; ``None`` (nothing asked): the launcher's own process runs the script."""
+        if requested is None:
+            return None
+        from ..settings import parse_int
+
+        return parse_int(requested, "num_processes", 1)
+
+    # ----------------------------------------------------------------- planning (nothing is built: the planner asks)
+    def plan_shards(self, units: Sequence[PlannedUnit], config: Any, devices: int, plugin: "XlaFsdpPlugin",
+                    ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
+        """What one device holds, by this engine's own sharding rules, when ``units`` (the FSDP units of a meta
+        skeleton) are sharded over ``devices``: per unit, the shapes of the pieces one device keeps (one per
+        parameter, or one for a flattened unit) and the elements it holds while that unit is all-gathered (what the
+        planner calls exact). ``config`` is the model's (tensor-parallel plans follow its family)."""
+        raise NotImplementedError(f"{self.title}: the planner knows no sharding rule of this engine")
+
+    def plan_mesh(self, plugin: "XlaFsdpPlugin", devices: int) -> Optional[dict[str, int]]:
+        """The device mesh's axis sizes over ``devices`` (``None``: the engine has no mesh)."""
+        return None
+
+    def devices_per_sample(self, plugin: "XlaFsdpPlugin") -> int:
+        """Devices that share each sample (tensor parallelism splits activations over them); 1 for plain FSDP."""
+        return 1
+
+    def splits_tensors(self) -> bool:
+        """The engine can split weights inside blocks over a tensor axis (``tensor_parallel_size``)."""
+        return False
+
+    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+        """The root unit's parameters stay gathered for the whole step (not re-sharded after forward)."""
+        return False
+
+    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+        """A lower ``compute_dtype`` shrinks what a step holds without adding copies (the planner may suggest it)."""
+        return False
+
     # ----------------------------------------------------------------- wrapping
     def unit_class(self) -> type:
         """The engine's FSDP unit class."""
@@ -173,16 +225,37 @@ class Engine:
         """Wrapper classes between a unit and the user's module (removed by :meth:`unwrap`)."""
         return ()
 
-    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
-        """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``."""
+    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool, *,
+                   evaluation_mode: bool = False) -> nn.Module:
+        """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``.
+
+        ``evaluation_mode``: a block of a model that only runs forward (a reference or reward model): its parameters
+        are frozen before sharding (so no unit keeps gradients or fp32 master copies for them), nothing is
+        recomputed (there is no backward), and it is always its own unit (the whole model is never gathered at once).
+        """
+        if evaluation_mode:
+            block.requires_grad_(False)
+            return self._for_inference(tag(self.make_unit(block, plugin), self), plugin)
         block = self.checkpoint_block(block, plugin)
         return tag(self.make_unit(block, plugin), self) if nested else block
 
-    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
-        """The outer FSDP unit: shards every parameter no inner unit owns."""
+    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin", *, evaluation_mode: bool = False) -> nn.Module:
+        """The outer FSDP unit: shards every parameter no inner unit owns (frozen first in ``evaluation_mode``)."""
+        if evaluation_mode:
+            model.requires_grad_(False)
+            return self._for_inference(tag(self.make_root(model, plugin), self), plugin).eval()
         if getattr(getattr(model, "config", None), "use_cache", False) and plugin.activation_checkpointing:
             model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
         return tag(self.make_root(model, plugin), self)
+
+    def _for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+        unit.__dict__[EVALUATION_ATTR] = True
+        self.store_for_inference(unit, plugin)
+        return unit
+
+    def store_for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> None:
+        """Store a frozen unit's own shards as it computes with them (``compute_dtype``): an inference-only model
+        needs no full-precision copy."""
 
     def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         """One FSDP unit around ``block``."""

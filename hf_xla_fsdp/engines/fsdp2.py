@@ -309,10 +309,25 @@ class Fsdp2(Engine):
     runtime_module = None
     compiles_graphs = False
     fused_optimizers = True
-    setup_first = True  # accelerate's state (built by TrainingArguments) must see the process group and device
+
+    # ----------------------------------------------------------------- planning
+    def plan_shards(self, units: Any, config: Any, devices: int, plugin: "XlaFsdpPlugin",
+                    ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
+        # fully_shard's rule: dim 0 of every parameter split over the fsdp axis as torch.chunk splits it (the fullest
+        # rank holds ceil(rows / fsdp) rows), nothing flattened; a gathered unit holds all its parameters
+        fsdp = mesh_layout(devices, plugin.replica_size)[0][-1]
+        shards = [[(-(-shape[0] // fsdp), *shape[1:]) if shape else () for _, shape in unit.params] for unit in units]
+        return shards, [sum(numel for numel, _ in unit.params) for unit in units]
+
+    def plan_mesh(self, plugin: "XlaFsdpPlugin", devices: int) -> Optional[dict[str, int]]:
+        shape, _ = mesh_layout(devices, plugin.replica_size)
+        return {REPLICA_AXIS: plugin.replica_size, FSDP_AXIS: shape[-1], "tensor": 1}
 
     def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
         return True  # fully_shard keeps the root's parameters from forward to backward (reshard_after_forward=None)
+
+    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+        return True  # shards stay fp32; gathered units, gradients before reduction and activations take the dtype
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
@@ -352,6 +367,10 @@ class Fsdp2(Engine):
     def started_by_launcher(self) -> bool:
         return "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
+    def processes_per_host(self, requested: Any) -> Optional[int]:
+        # one of the processes torchrun (or this launcher through it) started runs the script; it starts none
+        return None if self.started_by_launcher() else super().processes_per_host(requested)
+
     def start_processes(self, count: int, launcher_arguments: list[str]) -> Optional[int]:
         """``count`` processes on this host as ``torchrun --standalone --nproc_per_node count`` starts them, each
         ``python -m hf_xla_fsdp.launch`` with the same settings (several hosts: run torchrun with ``-m
@@ -383,9 +402,13 @@ class Fsdp2(Engine):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard works in place: the unit is the user's module
 
-    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool) -> nn.Module:
+    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool, *,
+                   evaluation_mode: bool = False) -> nn.Module:
         from ..checkpoint.codec import tag
 
+        if evaluation_mode:  # forward only: frozen, every block a unit that frees its gathered parameters at once
+            block.requires_grad_(False)
+            return self._for_inference(tag(shard_module(block, plugin, reshard_after_forward=True), self), plugin)
         # zero2 keeps every block a unit too, with its gathered parameters kept from forward to backward (FSDP2's
         # ZeRO-2); zero3 frees them after each block's forward unless reshard_after_forward is off
         block = self.checkpoint_block(block, plugin)
