@@ -4,10 +4,11 @@ else on XLA FSDP (mixed precision, gradient checkpointing, the fused AdamW defau
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+import os
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ..errors import ConfigError
-from .resolve import Source, current_launch_sources, flag_source, names_settings, plugin_source, precision_source
+from .resolve import Source, current_launch_sources, flag_source, names_settings, plugin_source, precision_source, read_settings
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -28,9 +29,13 @@ def training_args_sources(args: Any) -> list[Source]:
     device module). A ``fsdp_config`` without ``"xla": true`` is torch FSDP's, not ours: it gives nothing."""
     out: list[Source] = []
     fsdp_config = getattr(args, "fsdp_config", None) or {}
-    if getattr(args, "fsdp", None) and isinstance(fsdp_config, dict) and fsdp_config.get("xla"):
+    name = "TrainingArguments' fsdp_config"
+    if getattr(args, "fsdp", None) and isinstance(fsdp_config, (str, os.PathLike)):
+        # still the path (or inline JSON) while __post_init__ takes the device: SPMD must start before that
+        fsdp_config, name = read_settings(fsdp_config, name)
+    if getattr(args, "fsdp", None) and isinstance(fsdp_config, Mapping) and fsdp_config.get("xla"):
         given = {k: v for k, v in fsdp_config.items() if k not in _TRANSFORMERS_FILLED or v != _TRANSFORMERS_FILLED[k]}
-        out.append(Source("TrainingArguments' fsdp_config", given))
+        out.append(Source(name, given))
     for flag in ("bf16", "fp16"):
         if getattr(args, flag, False):
             out.append(precision_source(f"TrainingArguments({flag}=True)", flag))
