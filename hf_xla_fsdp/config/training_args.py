@@ -38,14 +38,17 @@ def training_args_sources(args: Any) -> list[Source]:
     other ``fsdp_config`` is torch FSDP's, not ours: it gives nothing."""
     out: list[Source] = []
     fsdp_config = getattr(args, "fsdp_config", None) or {}
-    if isinstance(fsdp_config, (str, os.PathLike)):  # left as given when --fsdp is off (transformers reads it only then)
-        fsdp_config, _ = read_settings(fsdp_config, "TrainingArguments' fsdp_config")
+    name = "TrainingArguments' fsdp_config"
+    if isinstance(fsdp_config, (str, os.PathLike)):
+        # still the path (or inline JSON) while __post_init__ takes the device (SPMD must start before that), and left
+        # as given when --fsdp is off (transformers reads it only then; an engine-naming one needs no --fsdp)
+        fsdp_config, name = read_settings(fsdp_config, name)
     names_engine = isinstance(fsdp_config, Mapping) and fsdp_config.get("engine") is not None
     if names_engine or (getattr(args, "fsdp", None) and isinstance(fsdp_config, Mapping) and fsdp_config.get("xla")):
         # xla: false is what transformers writes for an fsdp_config without "xla" (an engine-naming one)
         filled = {**_TRANSFORMERS_FILLED, "xla": False} if names_engine else _TRANSFORMERS_FILLED
         given = {k: v for k, v in fsdp_config.items() if k not in filled or v != filled[k]}
-        out.append(Source("TrainingArguments' fsdp_config", given))
+        out.append(Source(name, given))
     for flag in ("bf16", "fp16"):
         if getattr(args, flag, False):
             out.append(precision_source(f"TrainingArguments({flag}=True)", flag))

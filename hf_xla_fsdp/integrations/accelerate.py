@@ -187,6 +187,9 @@ class XlaFsdpAccelerator(Accelerator):
         return self._schedulers[0].scheduler if self._schedulers else None
 
     def _checkpoints_dir(self) -> Path:
+        if self.project_dir is None:  # accelerate names automatic checkpoints under project_dir only
+            raise ConfigError("automatic checkpoint naming needs a project directory: "
+                              "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
         return Path(self.project_dir) / "checkpoints"
 
     def save_state(self, output_dir: Union[str, os.PathLike, None] = None, safe_serialization: bool = True, *,
@@ -200,9 +203,11 @@ class XlaFsdpAccelerator(Accelerator):
         checkpoints = self.xla_fsdp_session.checkpoints
         checkpoints.wait()  # the previous save is published (and rotated) before this one is named
         config = self.project_configuration
-        series = checkpoints.series(self._checkpoints_dir(), ACCELERATE_PREFIX)  # naming, latest, rotation
+        # naming, latest, rotation: only automatic naming has a series (an explicit output_dir stands alone)
+        series = (checkpoints.series(self._checkpoints_dir(), ACCELERATE_PREFIX)
+                  if config.automatic_checkpoint_naming else None)
         if output_dir is None:
-            if not config.automatic_checkpoint_naming:
+            if series is None:
                 raise ConfigError("save_state needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
             output_dir = series.path(self.save_iteration)
             if output_dir.exists():
@@ -222,7 +227,7 @@ class XlaFsdpAccelerator(Accelerator):
                 logger.warning("SIGTERM received: saved checkpoint %s at step %s; stop now and resume with "
                                "accelerator.load_state(%s)", path, step,
                                "" if config.automatic_checkpoint_naming else f"'{path}'")
-            if config.automatic_checkpoint_naming and config.total_limit is not None and self.is_main_process:
+            if series is not None and config.total_limit is not None and self.is_main_process:
                 series.rotate(config.total_limit)
 
         # SIGTERM: this save is the last one, so it is written before save_state returns

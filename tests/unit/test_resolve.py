@@ -116,6 +116,11 @@ def test_trainer_arguments_flags_plugin_and_launch(fresh, tmp_path):
     r.hand_off(r.launch_sources(fsdp_config='{"xla": true}'))
     assert raised(lambda: training_args(tmp_path, fsdp="full_shard", fsdp_config={"xla": True, "xla_fsdp_v2": True})
                   ) == line("the launcher's --fsdp_config", "TrainingArguments' fsdp_config", "version", "1", "2")
+    # as a script's --fsdp_config gives it: a path, still unread when the arguments take the device
+    v2 = tmp_path / "v2.json"
+    v2.write_text(json.dumps({"xla": True, "xla_fsdp_v2": True}))
+    assert raised(lambda: training_args(tmp_path, fsdp=True, fsdp_config=str(v2))) == line(
+        "the launcher's --fsdp_config", f"TrainingArguments' fsdp_config {v2}", "version", "1", "2")
 
 
 def test_trainer_settings_merge_what_does_not_conflict(fresh, tmp_path):
