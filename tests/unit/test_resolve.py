@@ -24,6 +24,12 @@ def line(first: str, second: str, key: str, a: str, b: str) -> str:
     return f"{first} and {second} disagree: {key}={a} vs {b}; keep the setting in one place"
 
 
+#: the cases use what the XLA engines take and the default engine is xla only where torch_xla is installed: fp16
+#: compute (engine fsdp2 refuses it before any conflict), bf16 TrainingArguments on the CPU, SPMD (the no-xla leg
+#: skips them; tests/unit/test_plugin_config.py covers engine fsdp2's settings)
+XLA_DEFAULTS = pytest.mark.xla
+
+
 @pytest.fixture
 def fresh(monkeypatch):
     """A process state of its own (this pytest process keeps its real one) and no launch in the environment."""
@@ -63,6 +69,7 @@ def prepare(*argv: str) -> None:
     prepare(parse_command_line(parser, list(argv)))
 
 
+@XLA_DEFAULTS
 def test_launcher_flags_and_yaml(fresh, tmp_path):
     bf16_yaml = yaml_file(tmp_path, "bf16.yaml", "mixed_precision: bf16\n")
     fp16_fsdp_yaml = yaml_file(tmp_path, "fp16.yaml", "fsdp_config:\n  compute_dtype: float16\n")
@@ -81,6 +88,7 @@ def test_launcher_flags_and_yaml(fresh, tmp_path):
     assert r.LAUNCH_ENV not in __import__("os").environ  # refused before anything is handed over
 
 
+@XLA_DEFAULTS
 def test_start_up_hook_reads_the_script_flags_and_the_yaml_it_was_launched_with(fresh, tmp_path):
     fp16_yaml = yaml_file(tmp_path, "fp16.yaml", "mixed_precision: fp16\n")
     fresh.setenv("HF_XLA_FSDP_ACCELERATE_CONFIG", str(fp16_yaml))  # what stock `accelerate launch` cannot say
@@ -90,6 +98,7 @@ def test_start_up_hook_reads_the_script_flags_and_the_yaml_it_was_launched_with(
 
 
 # --------------------------------------------------------------------------- XlaFsdpTrainer and TrainingArguments
+@XLA_DEFAULTS
 def test_trainer_arguments_flags_plugin_and_launch(fresh, tmp_path):
     from hf_xla_fsdp import XlaFsdpTrainer
     from hf_xla_fsdp.integrations.patches import ready_for_arguments
@@ -123,6 +132,7 @@ def test_trainer_arguments_flags_plugin_and_launch(fresh, tmp_path):
         "the launcher's --fsdp_config", f"TrainingArguments' fsdp_config {v2}", "version", "1", "2")
 
 
+@XLA_DEFAULTS
 def test_trainer_settings_merge_what_does_not_conflict(fresh, tmp_path):
     from hf_xla_fsdp.config.training_args import trainer_settings
 
@@ -136,6 +146,7 @@ def test_trainer_settings_merge_what_does_not_conflict(fresh, tmp_path):
 
 
 # --------------------------------------------------------------------------- XlaFsdpAccelerator
+@XLA_DEFAULTS
 def test_accelerator_kwargs_environment_and_yaml(fresh, tmp_path):
     from hf_xla_fsdp import XlaFsdpAccelerator
 
@@ -155,6 +166,7 @@ def test_accelerator_kwargs_environment_and_yaml(fresh, tmp_path):
                                                         "compute_dtype", "float16", "bfloat16")
 
 
+@XLA_DEFAULTS
 def test_plugin_readers_use_the_same_rule(fresh, tmp_path):
     both = yaml_file(tmp_path, "both.yaml", "mixed_precision: bf16\nfsdp_config:\n  compute_dtype: float16\n")
     assert raised(lambda: XlaFsdpPlugin.from_accelerate_config(both)) == line(
@@ -236,6 +248,7 @@ print(json.dumps({"setups": calls, "use_spmd": len(use_spmd), "counted": process
 """
 
 
+@XLA_DEFAULTS
 def test_spmd_is_started_once_per_process_whatever_asks(tmp_path):
     """Every entry point of a launched FSDP v2 script asks for the runtime (launcher, TrainingArguments, Trainer,
     its accelerator, the script's Accelerator, a build): the engine's set-up runs once, and so does use_spmd."""
