@@ -414,6 +414,14 @@ class Fsdp2(Engine):
         block = self.checkpoint_block(block, plugin)
         return tag(shard_module(block, plugin, reshard_after_forward=nested and plugin.reshard_after_forward), self)
 
+    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin", *, evaluation_mode: bool = False) -> nn.Module:
+        if evaluation_mode:  # no backward will come to free the root's gathered parameters: free them after forward
+            from ..checkpoint.codec import tag
+
+            model.requires_grad_(False)
+            return self._for_inference(tag(shard_module(model, plugin, reshard_after_forward=True), self), plugin).eval()
+        return super().wrap_root(model, plugin)
+
     def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         return shard_module(block, plugin, reshard_after_forward=plugin.sharding == "zero3"
                             and plugin.reshard_after_forward)

@@ -1,6 +1,7 @@
 """Engine fsdp2 (torch's fully_shard over a DeviceMesh) in real torchrun processes on CPU/gloo, torch_xla unimportable
 in them: a checkpoint moves between XLA FSDP v2 (4 XLA:CPU devices) and fsdp2 (4 processes) in both directions,
-losses equal to eager training; its rank files consolidate (without torch_xla) to the model's exact weights."""
+losses equal to eager training; its rank files consolidate (without torch_xla) to the model's exact weights; a model
+built in evaluation mode is frozen shards computing the same loss."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_checkpoints_move_between_xla_v2_and_fsdp2_and_consolidate_without_torch
     check(run_python([WORKER, "v2", "--out", v2, "--steps", "5", "--save-at", "3"], devices=4))
     # fsdp2 on 4 processes resumes it: steps 4-5, its own checkpoint after step 4 (written in the background)
     check(torchrun(4, [WORKER, "fsdp2", "--out", fsdp2, "--steps", "2", "--resume", v2 / "ckpt", "--save-at", "4",
-                       "--async-save"]))
+                       "--async-save", "--evaluation-check"]))
     # and XLA FSDP v2 resumes fsdp2's: step 5
     check(run_python([WORKER, "v2", "--out", back, "--steps", "1", "--resume", fsdp2 / "ckpt"], devices=4))
     eager, on_v2 = eager_losses(5), losses(v2)
@@ -62,6 +63,12 @@ def test_checkpoints_move_between_xla_v2_and_fsdp2_and_consolidate_without_torch
     assert losses(back) == pytest.approx(on_v2[4:], abs=1e-4)
     # a wrong optimizer state (e.g. unclipped moments) still gives the right first loss after a resume, not the second
     assert losses(fsdp2)[1] == pytest.approx(eager[4], abs=1e-4)
+    # evaluation mode (a reference model): every parameter a frozen shard, no autograd graph, not training; it
+    # computes the freshly initialized model's loss (eager's first, fp32, the same bound as above)
+    evaluation = json.loads((fsdp2 / "result.json").read_text())["evaluation"]
+    assert evaluation.pop("loss") == pytest.approx(eager[0], abs=1e-4)
+    assert evaluation == {"evaluation_mode": True, "training": False, "trainable": 0, "sharded": True,
+                          "loss_has_graph": False}
 
     # fsdp2's rank files consolidate, with torch_xla unimportable, to exactly the model it held after step 4
     out = tmp_path / "consolidated"

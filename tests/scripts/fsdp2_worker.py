@@ -67,9 +67,31 @@ def run_fsdp2(args: argparse.Namespace, plugin: XlaFsdpPlugin) -> tuple[list[flo
     from hf_xla_fsdp.checkpoint import wait_for_pending_save
 
     wait_for_pending_save()
+    if args.evaluation_check:
+        args.evaluation = evaluation_check(plugin, rank, world)
     if rank == 0:
         assert "torch_xla" not in sys.modules, "engine fsdp2 imported torch_xla"
     return losses, model
+
+
+def evaluation_check(plugin: XlaFsdpPlugin, rank: int, world: int) -> dict:
+    """A model built in evaluation mode (a reference model: frozen, no optimizer state): what it holds, and its loss on
+    step 1's global batch (the freshly initialized model's, as eager training's first loss)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from hf_xla_fsdp.engines import in_evaluation_mode
+    from hf_xla_fsdp.session import XlaFsdpSession
+
+    torch.manual_seed(SEED)
+    frozen = XlaFsdpSession(plugin).build_model(tiny_llama(), evaluation_mode=True, progress=False)
+    rows = GLOBAL_BATCH // world
+    loss = frozen(**{k: v[rank * rows:(rank + 1) * rows] for k, v in batch(1).items()}).loss.detach()
+    dist.all_reduce(loss)
+    return {"evaluation_mode": in_evaluation_mode(frozen), "training": frozen.training,
+            "trainable": sum(p.requires_grad for p in frozen.parameters()),
+            "sharded": all(isinstance(p, DTensor) for p in frozen.parameters()),
+            "loss_has_graph": loss.requires_grad, "loss": loss.item() / world}
 
 
 def run_v2(args: argparse.Namespace, plugin: XlaFsdpPlugin) -> list[float]:
@@ -104,6 +126,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--evaluation-check", action="store_true", help="fsdp2: also build a model in evaluation mode")
     p.add_argument("--settings", default="{}", help="plugin settings (JSON)")
     args = p.parse_args()
     settings = json.loads(args.settings)
@@ -116,7 +139,9 @@ def main() -> None:
     else:
         losses, write = run_v2(args, XlaFsdpPlugin(engine="xla", version=2, **settings)), True
     if write:
-        (Path(args.out) / "result.json").write_text(json.dumps({"losses": losses}))
+        (Path(args.out) / "result.json").write_text(json.dumps({"losses": losses,
+                                                                **({"evaluation": args.evaluation}
+                                                                   if getattr(args, "evaluation", None) else {})}))
 
 
 if __name__ == "__main__":
