@@ -157,6 +157,50 @@ def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
     _gather_object_on_xla = on_xla
 
 
+# --------------------------------------------------------------------------- accelerate's extract_model_from_parallel
+_upstream_extract: Optional[Callable[..., Any]] = None
+
+
+def extract_dispatch(model: Any, *args: Any) -> Any:
+    """What accelerate's ``extract_model_from_parallel`` does once patched: an XLA FSDP unit gives the user's module
+    inside it first, then upstream's own code runs on that."""
+    from ..engines import unwrap
+
+    assert _upstream_extract is not None  # set together with the patch
+    return _upstream_extract(unwrap(model), *args)
+
+
+def _patched_extract(model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True,
+                     recursive: bool = False) -> Any:
+    # as _patched_gather_object: only this code object is installed, into upstream's function
+    from hf_xla_fsdp.integrations.startup import extract_dispatch
+
+    return extract_dispatch(model, keep_fp32_wrapper, keep_torch_compile, recursive)
+
+
+def patch_extract_model() -> None:
+    """accelerate's ``extract_model_from_parallel`` sees through XLA FSDP units, however it was imported.
+
+    It is how accelerate (``is_peft_model``) and transformers (``unwrap_model``) find the model inside distributed
+    wrappers; TRL asks ``is_peft_model(trainer.model)`` to choose the reference of a LoRA run (the adapters disabled),
+    and our units are not among the wrappers upstream knows. Replaces the function's code, as
+    :func:`patch_gather_object` does; idempotent.
+    """
+    global _upstream_extract
+    from accelerate.utils import other
+
+    target = other.extract_model_from_parallel
+    if target.__code__ is _patched_extract.__code__:
+        return
+    names = target.__code__.co_varnames[:target.__code__.co_argcount]
+    if target.__code__.co_freevars or names != ("model", "keep_fp32_wrapper", "keep_torch_compile", "recursive"):
+        raise ConfigError("accelerate.utils.other.extract_model_from_parallel changed shape; hf_xla_fsdp cannot make it "
+                          "see through XLA FSDP units (`hf-xla-fsdp env` lists the supported accelerate versions)")
+    _upstream_extract = types.FunctionType(target.__code__, target.__globals__, target.__name__, target.__defaults__,
+                                           target.__closure__)
+    target.__code__ = _patched_extract.__code__
+
+
 # --------------------------------------------------------------------------- launched scripts
 _launch: dict[str, Any] = {"resolve": None, "plugin": None, "resolved": False}
 

@@ -89,9 +89,12 @@ def safetensors_weight_map(directory: Path) -> dict[str, Path]:
 
 
 def resolve_source(source: Any) -> ModelSource:
-    """Accept a ``PretrainedConfig``, a ``config.json`` path, or a local model directory."""
+    """Accept a ``PretrainedConfig``, a ``config.json`` path, or a local model directory (or a source resolved
+    already, whose config a caller may have adjusted)."""
     from transformers import AutoConfig, PretrainedConfig
 
+    if isinstance(source, ModelSource):
+        return source
     if isinstance(source, PretrainedConfig):
         return ModelSource(config=source)
     path = Path(source)
@@ -519,6 +522,9 @@ class Materializer:
                 for name, tensor in tensors:
                     key = self.key_of(f"{prefix}{name}")
                     if key is None:
+                        # an adapter's own tensor: peft's init fills it after this (init_adapters), as get_peft_model
+                        # does after from_pretrained; the model's _init_weights below must not draw for it
+                        tensor._is_hf_initialized = True
                         continue
                     # a separate copy of a tied weight (e.g. peft's modules_to_save of a tied lm_head) reads its source
                     key = key if key in weights else tied_sources.get(key, key)

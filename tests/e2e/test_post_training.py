@@ -1,0 +1,115 @@
+"""TRL's post-training trainers (DPO, GRPO, reward models) with XLA FSDP, end to end in user scripts, against stock
+TRL on the CPU (same seed, same data, fp32 unless said): step by step, the saved model reloaded, resumed exactly.
+
+The user scripts live in tests/scripts/user/ (dpo.py, grpo.py, reward.py); tiny models and datasets come from
+tests/trl_helpers.py. Stock runs set USE_TORCH_XLA=0: with torch_xla imported, torch's activation checkpointing on
+the CPU looks for a ``torch.xla`` module and fails (TRL turns checkpointing on by default; trl #4182).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import USER_SCRIPTS, run_python
+from trl_helpers import WORDS, save_tiny_model
+
+pytest.importorskip("trl")
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+# the same settings for stock and ours: fp32 (bf16 is TRL's default), logging every step, checkpoints at 2 and 4
+COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--report_to", "none", "--logging_steps",
+          "1", "--seed", "1", "--max_length", "16", "--disable_tqdm", "true", "--bf16", "false"]
+XLA_V1 = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True})]
+XLA_V2 = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True, "xla_fsdp_v2": True})]
+VARIANTS = {  # full fine-tuning against an explicit reference; LoRA with reference log-probs precomputed
+    "full": ["--explicit_ref", "--learning_rate", "1e-3"],
+    "lora": ["--use_peft", "--precompute_ref_log_probs", "true", "--learning_rate", "1e-2"],
+}
+# fp32 on XLA:CPU against eager CPU: the same operations summed in another order. The DPO loss (~0.69) and the
+# reward margins came out equal to 5e-8 over 4 steps (Llama); 1e-6 is ~16 fp32 ulps of 0.69 and two orders of
+# magnitude below a step's change of the loss (~3e-3)
+FP32_LOSS = 1e-6
+# bf16 on 4 devices against fp32: log-probs summed over ~8 tokens of bf16 activations (2**-8 relative each) move the
+# sequence log-probs by ~1e-2 and the loss, through beta=0.1, by ~1e-3; a step changes it by ~3e-3 here
+BF16_LOSS = 2e-3
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("pretrained") / "llama")
+
+
+def _dpo(model: Path, out: Path, *extra: str, stock: bool = False, devices: int = 1) -> dict:
+    env = {"USE_TORCH_XLA": "0"} if stock else {"USE_HF_XLA_FSDP": "1"}
+    flags = ["--use_cpu"] if stock else ["--pass_path", "--record_dir", str(out.parent / f"{out.name}-rec")]
+    res = run_python([USER_SCRIPTS / "dpo.py", "--model_name_or_path", model, "--output_dir", out, *COMMON, *flags,
+                      *extra], devices=devices, env=env, timeout=1200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+    return json.loads((out / "results.json").read_text())
+
+
+_stock: dict[str, dict] = {}
+
+
+def stock_dpo(llama: Path, tmp: Path, variant: str) -> dict:
+    """The stock CPU run of ``variant``, once per module."""
+    if variant not in _stock:
+        _stock[variant] = _dpo(llama, tmp / f"stock-{variant}", *VARIANTS[variant], "--save_strategy", "no", stock=True)
+    return _stock[variant]
+
+
+def _series(results: dict, key: str) -> list[float]:
+    return [e[key] for e in results["steps"]]
+
+
+def _logits(model: torch.nn.Module, vocab: int) -> torch.Tensor:
+    """``model``'s logits on recording.py's fixed batch (``vocab``: the tokenizer's length, as the script records)."""
+    sys.path.insert(0, str(USER_SCRIPTS))
+    from recording import fixed_batch
+
+    with torch.no_grad():
+        return model.eval()(input_ids=fixed_batch(vocab)).logits.float()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_dpo_on_v1_equals_stock_step_by_step_saves_and_resumes(llama, tmp_path_factory, variant):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp(f"dpo-{variant}")
+    stock = stock_dpo(llama, tmp_path_factory.getbasetemp(), variant)
+    out = tmp / "ours"
+    ours = _dpo(llama, out, *VARIANTS[variant], *XLA_V1, "--save_steps", "2")
+    assert [e["step"] for e in ours["steps"]] == list(range(1, STEPS + 1)) and ours["steps_run"] == [[1, 2, 3, 4]]
+    for key in ("loss", "rewards/margins", "rewards/chosen"):
+        diff = max(abs(a - b) for a, b in zip(_series(ours, key), _series(stock, key)))
+        assert diff <= FP32_LOSS, (key, diff, _series(ours, key), _series(stock, key))
+    losses = _series(ours, "loss")
+    assert max(losses) - min(losses) > 100 * FP32_LOSS  # the steps differ by far more than the tolerance
+
+    # the saved model is what the trainer held at its last step: from_pretrained (full) / PeftModel (adapters)
+    base = AutoModelForCausalLM.from_pretrained(llama)
+    untrained = _logits(base, len(WORDS))  # before peft injects the adapters into it
+    if variant == "lora":
+        assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+        saved = PeftModel.from_pretrained(base, out)
+    else:
+        saved = AutoModelForCausalLM.from_pretrained(out)
+    recorded = load_file(tmp / "ours-rec" / f"step-{STEPS}.safetensors")["logits"]
+    torch.testing.assert_close(_logits(saved, len(WORDS)), recorded, atol=1e-5, rtol=0)  # XLA:CPU vs CPU, fp32
+    assert (recorded - untrained).abs().max() > 1e-3  # it trained
+
+    if variant == "full":  # resumed from checkpoint-2: only steps 3 and 4 run, with the uninterrupted run's losses
+        resumed = _dpo(llama, tmp / "resumed", *VARIANTS[variant], *XLA_V1, "--save_steps", "2",
+                       "--resume_from_checkpoint", str(out / "checkpoint-2"))
+        assert resumed["steps_run"] == [[3, 4]]  # not a silent rerun from scratch
+        assert _series(resumed, "loss")[2:] == losses[2:]
+        assert load_file(tmp / "resumed" / "model.safetensors").keys() == load_file(out / "model.safetensors").keys()
+        for name, tensor in load_file(tmp / "resumed" / "model.safetensors").items():
+            assert torch.equal(tensor, load_file(out / "model.safetensors")[name]), name
