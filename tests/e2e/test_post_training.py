@@ -113,3 +113,21 @@ def test_dpo_on_v1_equals_stock_step_by_step_saves_and_resumes(llama, tmp_path_f
         assert load_file(tmp / "resumed" / "model.safetensors").keys() == load_file(out / "model.safetensors").keys()
         for name, tensor in load_file(tmp / "resumed" / "model.safetensors").items():
             assert torch.equal(tensor, load_file(out / "model.safetensors")[name]), name
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_dpo_on_v2_four_devices_in_bf16_follows_stock_fp32(llama, tmp_path_factory, variant):
+    """TRL's default precision (bf16) on 4 devices: the reference (built by TRL's own call, from the policy's path,
+    for "full"; no --explicit_ref) and the policy compute in bf16; the losses follow the stock fp32 run."""
+    from hf_xla_fsdp.checkpoint import read_marker
+
+    stock = stock_dpo(llama, tmp_path_factory.getbasetemp(), variant)
+    out = tmp_path_factory.mktemp(f"dpo-v2-{variant}") / "ours"
+    extra = [a for a in VARIANTS[variant] if a != "--explicit_ref"]
+    ours = _dpo(llama, out, *extra, *XLA_V2, "--bf16", "true", "--save_steps", "4", devices=4)
+    for key in ("loss", "rewards/margins"):
+        diff = max(abs(a - b) for a, b in zip(_series(ours, key), _series(stock, key)))
+        assert diff <= BF16_LOSS, (key, diff, _series(ours, key), _series(stock, key))
+    marker = read_marker(out / "checkpoint-4")
+    assert marker["world_size"] == 1 and (out / ("adapter_model.safetensors" if variant == "lora" else
+                                                 "model.safetensors")).is_file()
