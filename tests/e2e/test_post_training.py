@@ -131,3 +131,42 @@ def test_dpo_on_v2_four_devices_in_bf16_follows_stock_fp32(llama, tmp_path_facto
     marker = read_marker(out / "checkpoint-4")
     assert marker["world_size"] == 1 and (out / ("adapter_model.safetensors" if variant == "lora" else
                                                  "model.safetensors")).is_file()
+
+
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_reward_model_on_v1_equals_stock_and_saves_its_score_head(llama, tmp_path_factory, variant):
+    """RewardTrainer builds AutoModelForSequenceClassification (one label) from the causal LM's path: on meta, block
+    by block, with a fresh ``score`` head. The losses follow stock TRL on the CPU step by step; the saved model (the
+    whole classifier, or the adapters with the trained head as peft's modules_to_save) loads with from_pretrained and
+    scores like the trainer's model at its last step."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    tmp = tmp_path_factory.mktemp(f"reward-{variant}")
+    extra = ["--learning_rate", "1e-3"] + (["--use_peft"] if variant == "lora" else [])
+
+    def run(out: Path, stock: bool) -> dict:
+        env = {"USE_TORCH_XLA": "0"} if stock else {"USE_HF_XLA_FSDP": "1"}
+        flags = ["--use_cpu", "--save_strategy", "no"] if stock else \
+            [*XLA_V1, "--save_steps", str(STEPS), "--record_dir", str(tmp / "rec")]
+        res = run_python([USER_SCRIPTS / "reward.py", "--model_name_or_path", llama, "--output_dir", out, *COMMON, *extra,
+                          *flags], env=env, timeout=1200)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+        return json.loads((out / "results.json").read_text())
+
+    stock, ours = run(tmp / "stock", True), run(tmp / "ours", False)
+    diff = max(abs(a - b) for a, b in zip(_series(ours, "loss"), _series(stock, "loss")))
+    assert diff <= FP32_LOSS, (diff, _series(ours, "loss"), _series(stock, "loss"))
+    if variant == "lora":
+        base = AutoModelForSequenceClassification.from_pretrained(llama, num_labels=1)
+        saved = PeftModel.from_pretrained(base, tmp / "ours")
+        assert any("score" in k for k in load_file(tmp / "ours" / "adapter_model.safetensors"))  # the trained head
+    else:
+        config = json.loads((tmp / "ours" / "config.json").read_text())
+        assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+        saved = AutoModelForSequenceClassification.from_pretrained(tmp / "ours")
+        assert "score.weight" in load_file(tmp / "ours" / "model.safetensors")
+    recorded = load_file(tmp / "rec" / f"step-{STEPS}.safetensors")["logits"]
+    assert recorded.shape == (2, 1)  # one reward per sequence
+    torch.testing.assert_close(_logits(saved, len(WORDS)), recorded, atol=1e-5, rtol=0)
