@@ -56,7 +56,8 @@ def prompt_rows(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def counting_reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
-    """GRPO reward: how many leading tokens of each completion continue its prompt's count."""
+    """GRPO reward: how many leading tokens of each completion continue its prompt's count, plus a tenth per number
+    token (so that an untrained model's completions already differ in reward, and GRPO's advantages are not zero)."""
     rewards = []
     for prompt, completion in zip(prompts, completions):
         words = prompt.split()
@@ -66,7 +67,7 @@ def counting_reward(prompts: list[str], completions: list[str], **_: object) -> 
             if token != str(expected):
                 break
             score, expected = score + 1.0, expected + step
-        rewards.append(score)
+        rewards.append(score + 0.1 * sum(token.isdigit() for token in completion.split()))
     return rewards
 
 

@@ -126,6 +126,10 @@ class XlaFsdpTrainerMixin:
             self.ref_model = None  # its log-probs are in the datasets now: the reference is freed before training
         if self.model is not None:
             self.model = self.model_wrapped = self.xla_fsdp_session.finish_wrapping(self.model)
+        if trl:  # GRPO / RLOO: rollouts generate in fixed shapes (integrations/rollout.py)
+            from .rollout import install
+
+            install(self)
         self._inspect_inner_model()
         # the stock XLA FSDP paths (v1 wrap in _wrap_model, v2's own ("fsdp", "tensor") mesh and batch sharding)
         # stay off: our session wraps the model, and our accelerator shards the batches in the dataloaders

@@ -169,6 +169,10 @@ class XlaFsdpSession:
         wrapped = self.engine.wrap_root(model, self.plugin, **mode)
         if self.plugin.scan_layers:
             self._install_scan(wrapped)
+        from ..modeling.routing import inner_modules, route_through_root
+
+        # unwrap_model(model)(...) and .generate() run through the root unit (which gathers its own shards)
+        route_through_root(wrapped, inner_modules(wrapped, self.engine.unwrap(wrapped)))
         return wrapped
 
     def _install_scan(self, wrapped: nn.Module) -> None:
