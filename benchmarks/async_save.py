@@ -1,6 +1,7 @@
 """Training stall per checkpoint save, synchronous against ``async_save=True``.
 
     python benchmarks/async_save.py            # the ~325M model of meta_init.py, 6 steps, a save every 2
+    python benchmarks/async_save.py --smoke    # a tiny model, 2 steps: checks the script runs
 
 Both modes run in one child process each, on the same model, seed and batches (FSDP v1, one rank, AdamW, so the
 rank file holds parameters and both moments: ~3.9 GB). Reported per save: ``stall_seconds``, the time the training
@@ -27,11 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import emit, run_json_child
+from _harness import SMOKE_LLAMA, add_smoke_flag, emit, run_json_child
 from meta_init import MODEL  # the 325M model
 
 
-def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layers: int, keep: int) -> None:
+def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layers: int, keep: int,
+          model_fields: dict) -> None:
     """Train ``steps`` steps with a save every ``save_every``, keeping the newest ``keep`` checkpoints (as the
     Trainer's ``save_total_limit``; each one's digest is taken before it goes); print the stalls as JSON."""
     import torch
@@ -45,7 +47,7 @@ def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layer
     device = torch_xla.device()
     plugin = XlaFsdpPlugin(transformer_layer_cls_to_wrap=["LlamaDecoderLayer"])
     torch.manual_seed(0)
-    model = plugin.build(LlamaConfig(**{**MODEL, "num_hidden_layers": layers}), progress=False)
+    model = plugin.build(LlamaConfig(**{**model_fields, "num_hidden_layers": layers}), progress=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(1)
     stalls, waits, losses, background, digests = [], [], [], [], {}
@@ -60,7 +62,7 @@ def child(mode: str, out: Path, steps: int, save_every: int, seq_len: int, layer
             shutil.rmtree(old)
     start = time.perf_counter()
     for i in range(1, steps + 1):
-        ids = torch.randint(0, MODEL["vocab_size"], (1, seq_len), generator=g).to(device)
+        ids = torch.randint(0, model_fields["vocab_size"], (1, seq_len), generator=g).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -109,9 +111,13 @@ def main() -> None:
     p.add_argument("--keep", type=int, default=2, help="newest checkpoints kept on disk, as save_total_limit")
     p.add_argument("--child", choices=["sync", "async"], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    add_smoke_flag(p)
     args = p.parse_args()
+    model = SMOKE_LLAMA if args.smoke else MODEL
+    if args.smoke:
+        args.steps, args.save_every, args.seq_len, args.layers, args.keep = 2, 1, 16, SMOKE_LLAMA["num_hidden_layers"], 1
     if args.child:
-        child(args.child, args.out, args.steps, args.save_every, args.seq_len, args.layers, args.keep)
+        child(args.child, args.out, args.steps, args.save_every, args.seq_len, args.layers, args.keep, model)
         return
     work = Path(tempfile.mkdtemp(prefix="async_save_bench_"))
     try:
@@ -119,7 +125,8 @@ def main() -> None:
         for mode in ("sync", "async"):
             results[mode] = run_json_child(
                 [__file__, "--child", mode, "--out", work / mode, "--steps", args.steps, "--save-every",
-                 args.save_every, "--seq-len", args.seq_len, "--layers", args.layers, "--keep", args.keep],
+                 args.save_every, "--seq-len", args.seq_len, "--layers", args.layers, "--keep", args.keep,
+                 *(["--smoke"] if args.smoke else [])],
                 name=f"{mode} run")
         same = results["sync"]["digests"] == results["async"]["digests"] and bool(results["sync"]["digests"])
         file_bytes = results["sync"]["file_bytes"]
@@ -134,7 +141,8 @@ def main() -> None:
 
     sync_stall, async_stall = steady("sync"), steady("async")
     emit({
-        "model": {**MODEL, "num_hidden_layers": args.layers}, "steps": args.steps, "save_every": args.save_every,
+        "smoke": args.smoke, "model": {**model, "num_hidden_layers": args.layers}, "steps": args.steps,
+        "save_every": args.save_every,
         "rank_file_bytes": file_bytes, "sync": results["sync"], "async": results["async"],
         "first_save_stall_seconds": {m: results[m]["stall_seconds"][0] for m in ("sync", "async")},
         "mean_stall_seconds_after_first": {"sync": round(sync_stall, 3), "async": round(async_stall, 3)},

@@ -2,6 +2,7 @@
 
     python benchmarks/build_timeline.py                      # llama-2-7b, rank 0 of 64
     python benchmarks/build_timeline.py --layers 4           # the same widths, fewer blocks (quick)
+    python benchmarks/build_timeline.py --smoke              # a tiny Llama, rank 0 of 2: checks the script runs
 
 Phases: ``skeleton`` (meta construction, construction-time draws), ``fill_block`` / ``fill_root`` (materialize and
 initialize), ``wrap_block`` / ``wrap_root`` (FSDP unit construction), ``sync_*`` (running the sharding graph). A
@@ -13,10 +14,11 @@ process. Prints JSON: the runtime baseline and, per phase, the peak RSS and the 
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from typing import Any, Callable
+
+from _harness import SMOKE_LLAMA, add_smoke_flag, emit
 
 
 def _rss_mib() -> int:
@@ -63,6 +65,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     p.add_argument("--world-size", type=int, default=64)
     p.add_argument("--rank", type=int, default=0)
+    add_smoke_flag(p)
     args = p.parse_args()
 
     import torch
@@ -75,6 +78,8 @@ def main() -> None:
     from hf_xla_fsdp.planning.presets import MODEL_PRESETS
 
     kwargs = {k: v for k, v in MODEL_PRESETS[args.preset][1].items() if k != "architectures"}
+    if args.smoke:
+        kwargs, args.world_size = dict(SMOKE_LLAMA), 2
     if args.layers:
         kwargs["num_hidden_layers"] = args.layers
     torch.zeros(1, device=torch_xla.device()).cpu()  # the runtime is up before the baseline is read
@@ -99,8 +104,8 @@ def main() -> None:
     time.sleep(0.1)
     phases = {name: {"peak_rss_mib": tl.peaks.get(name), "seconds": round(tl.seconds.get(name, 0.0), 1)}
               for name in tl.seconds if name not in ("start",)}
-    print(json.dumps({"baseline_rss_mib": baseline, "build_seconds": round(time.perf_counter() - start, 1),
-                      "phases": phases}, indent=1))
+    emit({"smoke": args.smoke, "baseline_rss_mib": baseline, "build_seconds": round(time.perf_counter() - start, 1),
+          "phases": phases})
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 running benchmarks/compile_shapes.py) the persistent cache and bucketed batch lengths.
 
     python benchmarks/compile.py [--depths 4 16 32] [--steps 3] [--parts depth steps shapes]
+    python benchmarks/compile.py --smoke     # depth 2 (split only), one loop, compile_shapes --smoke --only buckets
 
 Every figure comes from a fresh process (empty compile caches):
 
@@ -14,7 +15,7 @@ Every figure comes from a fresh process (empty compile caches):
   (v1 and v2), from tests/scripts/compile_steps.py.
 * ``shapes``: benchmarks/compile_shapes.py (bucketing, cold vs warm cache).
 
-Prints ONE JSON.
+Prints ONE JSON line.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _harness import child_env, emit, run_json_child
+from _harness import add_smoke_flag, emit, run_json_child
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -89,7 +89,8 @@ def depth_child(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_depth(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
-    for split in (False, True):
+    # smoke: the split runs only, which go through everything the unsplit ones do and time the two graphs apart
+    for split in (True,) if args.smoke else (False, True):
         for layers in args.depths:
             pair = {}
             for scan in (False, True):
@@ -112,19 +113,18 @@ def run_depth(args: argparse.Namespace) -> dict[str, Any]:
 def run_steps(args: argparse.Namespace) -> dict[str, Any]:
     worker = ROOT / "tests" / "scripts" / "compile_steps.py"
     out = {}
-    for how, flags in [("accelerate", []), ("plugin", []), ("trainer", []), ("trainer_v2", ["--v2"]),
-                       ("accelerate_v2", ["--v2"])]:
-        out[how] = run_json_child([worker, how.split("_")[0], *flags, "--steps", 4], name=f"steps {how}",
+    loops = [("accelerate", []), ("plugin", []), ("trainer", []), ("trainer_v2", ["--v2"]), ("accelerate_v2", ["--v2"])]
+    for how, flags in loops[1:2] if args.smoke else loops:
+        out[how] = run_json_child([worker, how.split("_")[0], *flags, "--steps", 2 if args.smoke else 4],
+                                  name=f"steps {how}",
                                   env={"CPU_NUM_DEVICES": "4"} if flags else None)["compiles"]
     return {"graphs_per_step": out}
 
 
 def run_shapes(args: argparse.Namespace) -> dict[str, Any]:
-    res = subprocess.run([sys.executable, str(HERE / "compile_shapes.py")], capture_output=True, text=True,
-                         env=child_env(), check=False, cwd=HERE)
-    if res.returncode != 0:
-        raise SystemExit(f"compile_shapes.py failed:\n{res.stderr[-4000:]}")
-    return {"shapes": json.loads(res.stdout.strip().splitlines()[-1])}
+    """benchmarks/compile_shapes.py's report (its last stdout line: one line of JSON)."""
+    flags = ["--smoke", "--only", "buckets"] if args.smoke else []
+    return {"shapes": run_json_child([HERE / "compile_shapes.py", *flags], name="compile_shapes.py")}
 
 
 def main() -> None:
@@ -136,12 +136,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--scan", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--split", action="store_true", help=argparse.SUPPRESS)
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.child:
         emit(depth_child(args))
         return
+    if args.smoke:
+        args.depths, args.steps = [2], 2
     os.environ.setdefault("PYTHONPATH", str(ROOT))
-    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(["benchmarks/compile.py", *sys.argv[1:]])}
+    result: dict[str, Any] = {"smoke": args.smoke, "date": time.strftime("%Y-%m-%d"),
+                              "command": " ".join(["benchmarks/compile.py", *sys.argv[1:]])}
     for part in args.parts:
         result.update({"depth": run_depth, "steps": run_steps, "shapes": run_shapes}[part](args))
     emit(result)

@@ -1,8 +1,10 @@
 """Consolidating the 8 rank files of a 1.2 GB model from each input format, ours against the stock path.
 
-    python benchmarks/consolidate.py [--workdir DIR] [--world-size 8]
+    python benchmarks/consolidate.py [--workdir DIR] [--world-size 8] [--repeats 3]
+    python benchmarks/consolidate.py --checksums-only --repeats 7
+    python benchmarks/consolidate.py --smoke      # a tiny Llama, 2 ranks, one run of each: checks the script runs
 
-The same real torch_xla FSDP state (one process per rank, each built with sharding_groups, cached in --workdir) is
+The same real torch_xla FSDP state (every rank built with sharding_groups in one process, cached in --workdir) is
 saved three ways: our rank files (safetensors), torch_xla's ``xm.save`` ``.pth`` files and the
 Trainer's ``rank*-of-*-pytorch_model.bin`` files (also ``xm.save``). ``hf-xla-fsdp consolidate`` turns
 each into the same safetensors model; the references are the stock tools: for ``.bin`` what
@@ -30,19 +32,25 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _harness import child_env, emit, mib, run_json_child, vm_hwm_bytes  # noqa: E402
+from _harness import SMOKE_LLAMA, add_smoke_flag, emit, mib, run_json_child, vm_hwm_bytes  # noqa: E402
 from meta_init import MODEL  # noqa: E402  (the same ~325M-parameter Llama)
 
 
-def make_rank(workdir: Path, rank: int, world: int) -> None:
+def make_ranks(workdir: Path, world: int, model_fields: dict) -> None:
+    """Every rank's files, one rank after the other in this process (sharding_groups: no collectives)."""
+    for rank in range(world):
+        make_rank(workdir, rank, world, model_fields)
+
+
+def make_rank(workdir: Path, rank: int, world: int, model_fields: dict) -> None:
     """Build rank ``rank`` with real torch_xla FSDP and save it in our format, torch_xla's and Trainer's."""
     import torch
     import torch_xla.core.xla_model as xm
@@ -53,7 +61,7 @@ def make_rank(workdir: Path, rank: int, world: int) -> None:
 
     torch.manual_seed(0)
     plugin = XlaFsdpPlugin(sharding_groups=[list(range(world))], sharding_rank=rank, sharding_world_size=world)
-    model = plugin.build(LlamaConfig(**MODEL), progress=False)
+    model = plugin.build(LlamaConfig(**model_fields), progress=False)
     write_rank_file(workdir / "ours", model, step=0)
     trainer = workdir / "trainer"
     trainer.mkdir(exist_ok=True)
@@ -76,9 +84,10 @@ def run_ours(source: Path, out: Path, config: Path | None, suffix: str | None = 
     import contextlib
     import io
 
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
         rc = main(args)
-    assert rc == 0
+    if rc != 0:  # the CLI's one line says why (a refused input is a broken benchmark, not a figure)
+        raise SystemExit(f"hf-xla-fsdp {' '.join(args)} exited {rc}: {err.getvalue().strip()[-2000:]}")
     return {"seconds": round(time.perf_counter() - start, 2), "peak_rss": vm_hwm_bytes(),
             "imported_torch_xla": "torch_xla" in sys.modules, "imported_transformers": "transformers" in sys.modules}
 
@@ -133,8 +142,10 @@ def baseline_rss(kind: str) -> tuple[int, int]:
 def child(args: argparse.Namespace) -> None:
     """Make one rank's files, or run one consolidation path and print its JSON line."""
     work = Path(args.workdir)
-    if args.child == "rank":
-        return make_rank(work, args.rank, args.world_size)
+    if args.child == "ranks":
+        start = time.perf_counter()
+        make_ranks(work, args.world_size, SMOKE_LLAMA if args.smoke else MODEL)
+        return emit({"ranks": args.world_size, "seconds": round(time.perf_counter() - start, 2)})
     torch_rss, base = baseline_rss("reference" if args.child.startswith("reference") else args.child)
     if args.child == "ours":
         result = run_ours(work / "ours", work / "out_ours", None)
@@ -154,10 +165,18 @@ def child(args: argparse.Namespace) -> None:
 
 
 def checksum_variants(work: Path) -> dict[str, Path]:
-    """The rank files of ``work/ours`` (hard links) with CRC-32 tables, and with none: same bytes, other metadata."""
+    """The rank files of ``work/ours`` (hard links) with CRC-32 tables, and with none: same bytes, other metadata.
+
+    Each variant is a checkpoint our reader accepts: its rank JSON's digest and its checksum table's digest are
+    recorded in the completion marker, which is sealed again with its own digest (``marker_bytes``), as a save
+    writes it.
+    """
+    import hashlib
+
     from hf_xla_fsdp.checkpoint.checksums import CRC32, hexdigest, table_digest, update
     from hf_xla_fsdp.checkpoint.layout import COMPLETE_MARKER
     from hf_xla_fsdp.checkpoint.safetensors_io import SafetensorsReader
+    from hf_xla_fsdp.checkpoint.schema import marker_bytes
 
     out = {}
     for kind in ("crc32", "unverified"):
@@ -180,11 +199,11 @@ def checksum_variants(work: Path) -> dict[str, Path]:
                     n: hexdigest(update(CRC32, 0, reader.read_bytes(n, 0, reader.nbytes(n)))) for n in reader.entries}}
             data = json.dumps(meta, indent=1).encode()
             (target / meta_name).write_bytes(data)
-            entry.pop("meta_sha256", None)
+            entry["meta_sha256"] = hashlib.sha256(data).hexdigest()
             entry["checksums"] = table_digest(meta.get("checksums"))
             if entry["checksums"] is None:
                 entry.pop("checksums")
-        (target / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1))
+        (target / COMPLETE_MARKER).write_bytes(marker_bytes(marker))
     return out
 
 
@@ -241,23 +260,30 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/hf_xla_fsdp_bench_consolidate")
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=2, help="runs of each checksum variant (best and median reported)")
     p.add_argument("--checksums-only", action="store_true", help="only the checksum cost (rank files made if needed)")
+    add_smoke_flag(p)
     args = p.parse_args()
     if args.child:
         return child(args)
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="consolidate-smoke-") as tmp:
+            args.workdir, args.world_size, args.repeats = tmp, 2, 1
+            return measure(args)
+    return measure(args)
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Make the rank files once (kept in --workdir), run every path, print the report."""
     work = Path(args.workdir)
-    me = [__file__, "--workdir", work, "--world-size", args.world_size]
+    me = [__file__, "--workdir", work, "--world-size", args.world_size, *(["--smoke"] if args.smoke else [])]
     last = work / "xla" / f"final_ckpt_rank-{args.world_size - 1:08d}-of-{args.world_size:08d}.pth"
     first_meta = work / "ours" / f"rank-00000-of-{args.world_size:05d}.json"
     if not ((work / "ours" / "checkpoint_complete.json").exists() and last.exists()
             and "checksums" in json.loads(first_meta.read_text())):
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        for rank in range(args.world_size):
-            subprocess.run([sys.executable, *map(str, me), "--child", "rank", "--rank", str(rank)], check=True,
-                           env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run_json_child([*me, "--child", "ranks"], name="rank files")
         from hf_xla_fsdp.checkpoint import commit_checkpoint
 
         commit_checkpoint(work / "ours", args.world_size)
@@ -287,7 +313,7 @@ def main() -> None:
         "within_10_percent": best["crc32c"] <= 1.10 * best["unverified"],
     }
     if args.checksums_only:
-        print(json.dumps({"world_size": args.world_size, "checksums": checksums}, indent=2))
+        emit({"smoke": args.smoke, "world_size": args.world_size, "checksums": checksums})
         return
     model_bytes = sum(f.stat().st_size for f in (work / "out_reference").glob("*.safetensors"))
     largest = largest_tensor_bytes(work / "out_reference")
@@ -297,7 +323,7 @@ def main() -> None:
         return r["peak_rss"] - r["torch_import_rss"]
 
     report: dict[str, Any] = {
-        "world_size": args.world_size, "model_mib": mib(model_bytes), "largest_tensor_mib": mib(largest),
+        "smoke": args.smoke, "world_size": args.world_size, "model_mib": mib(model_bytes), "largest_tensor_mib": mib(largest),
         "torch_import_rss_mib": mib(results["ours"]["torch_import_rss"]),
         "target_above_torch_import_mib": mib(target),
     }
@@ -325,7 +351,7 @@ def main() -> None:
         report[kind] = entry
     report["all_targets_met"] = all_ok
     report["checksums"] = checksums
-    print(json.dumps(report, indent=2))
+    emit(report)
 
 
 if __name__ == "__main__":

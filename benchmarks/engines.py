@@ -4,6 +4,7 @@ v1 on 1 device, v2 on 1 device, v2 on 4 devices in fp32 and in bf16 (compute_dty
 fp32 master copies in the optimizer) (CPU_NUM_DEVICES=1 / 1 / 4 / 4).
 
     python benchmarks/engines.py --steps 20 --warmup 5
+    python benchmarks/engines.py --smoke      # a tiny Llama, 2 steps per run: checks the script runs
 
 Per run: the loss of every step (read with ``.item()``, so steps are synchronous), per-step wall
 time and the steady step time (median after warm-up), XLA compilations after warm-up (target 0),
@@ -24,7 +25,7 @@ import statistics
 import time
 from typing import Any
 
-from _harness import emit, mib, run_json_child, vm_hwm_bytes
+from _harness import SMOKE_LLAMA, add_smoke_flag, emit, mib, run_json_child, vm_hwm_bytes
 
 MODEL = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
          "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 256,
@@ -174,7 +175,11 @@ def main() -> None:
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     p.add_argument("--child", type=int, choices=[1, 2], help=argparse.SUPPRESS)
     p.add_argument("--compute-dtype", default=None, help=argparse.SUPPRESS)
+    add_smoke_flag(p)
     args = p.parse_args()
+    if args.smoke:  # children get the model through --model
+        MODEL.update(SMOKE_LLAMA)
+        args.steps, args.warmup, args.batch_size, args.seq_len = 2, 1, 4, 16
     MODEL.update(args.model)
     if args.child:
         emit(child(args.child, args.steps, args.warmup, args.batch_size, args.seq_len, args.lr, args.compute_dtype))
@@ -211,10 +216,10 @@ def main() -> None:
             "final_loss": [fp32["losses"][-1], bf16["losses"][-1]],
             "max_abs_loss_diff": max_diff(bf16["losses"], fp32["losses"]),
         }
-    report = {"model": MODEL, "steps": args.steps, "warmup": args.warmup,
+    report = {"smoke": args.smoke, "model": MODEL, "steps": args.steps, "warmup": args.warmup,
               "global_batch": [args.batch_size, args.seq_len], "lr": args.lr, "runs": runs, "comparison": comparison,
               "total_seconds": round(time.perf_counter() - start, 1)}
-    print(json.dumps(report, indent=2))
+    emit(report)
 
 
 if __name__ == "__main__":

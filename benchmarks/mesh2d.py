@@ -2,6 +2,7 @@
 its own child process on 8 XLA:CPU devices (``CPU_NUM_DEVICES=8``), in the same run:
 
     python benchmarks/mesh2d.py --steps 12 --warmup 4
+    python benchmarks/mesh2d.py --smoke      # a tiny Llama, 2 steps per mesh: checks the script runs
 
 Per mesh: the losses, the steady step time (median after warm-up, steps read with ``.item()`` so synchronous), XLA
 compilations after warm-up (target 0), parameter bytes per device and the child's peak RSS. Prints ONE JSON with
@@ -24,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import emit, run_json_child, vm_hwm_bytes  # noqa: E402
+from _harness import SMOKE_LLAMA, add_smoke_flag, emit, run_json_child, vm_hwm_bytes  # noqa: E402
 
 DEVICES = 8
 
@@ -82,14 +83,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)  # tensor_parallel_size of this child
+    add_smoke_flag(p)
     args = p.parse_args()
+    if args.smoke:
+        MODEL.update(SMOKE_LLAMA)
+        args.steps, args.warmup, args.batch, args.seq = 2, 1, 8, 16
     if args.child is not None:
         emit(run(args.child, args.steps, args.warmup, args.batch, args.seq))
         return
     one, two = (run_json_child([__file__, "--child", t, "--steps", args.steps, "--warmup", args.warmup, "--batch",
-                                args.batch, "--seq", args.seq], name=f"tensor_parallel_size={t}",
+                                args.batch, "--seq", args.seq, *(["--smoke"] if args.smoke else [])],
+                               name=f"tensor_parallel_size={t}",
                                env={"CPU_NUM_DEVICES": str(DEVICES)}) for t in (1, 2))
-    emit({"model": MODEL, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
+    emit({"smoke": args.smoke, "model": MODEL, "batch": args.batch, "seq": args.seq, "steps": args.steps, "warmup": args.warmup,
           "fsdp8": one, "fsdp4_tensor2": two,
           "compare": {"max_abs_loss_diff": max(abs(a - b) for a, b in zip(one["losses"], two["losses"])),
                       "step_time_2d_over_1d": two["steady_step_s"] / one["steady_step_s"],

@@ -2,6 +2,7 @@
 against eager construction (whole model on the host, then wrapped), each in its own process.
 
     python benchmarks/meta_init.py --world-size 8
+    python benchmarks/meta_init.py --smoke          # a tiny model, rank 0 of 2: checks the script runs
 
 Prints JSON. Target: meta peak <= model_bytes / N + 2 x largest block + baseline,
 where baseline is the RSS of a process that has imported everything and started the XLA runtime.
@@ -11,10 +12,9 @@ Peaks are each child's own VmHWM (see _harness.py: a child's ru_maxrss includes 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
-from _harness import emit, mib, run_json_child, vm_hwm_bytes
+from _harness import SMOKE_LLAMA, add_smoke_flag, emit, mib, run_json_child, vm_hwm_bytes
 
 # ~325M parameters (1.2 GB fp32): 24 decoder layers of 12.8M; embeddings + lm_head (the root unit)
 # are 1.3 blocks, the proportion of Llama-2-7B. --vocab-size 32000 makes the root 5 blocks.
@@ -57,7 +57,12 @@ def main() -> None:
     p.add_argument("--wrap-embeddings", action="store_true", help="make embed_tokens its own FSDP unit too")
     p.add_argument("--vocab-size", type=int, default=MODEL["vocab_size"])
     p.add_argument("--child", choices=["meta", "eager"], help=argparse.SUPPRESS)
+    add_smoke_flag(p)
     args = p.parse_args()
+    if args.smoke:
+        MODEL.clear()
+        MODEL.update(SMOKE_LLAMA)
+        args.world_size, args.vocab_size = 2, SMOKE_LLAMA["vocab_size"]
     MODEL["vocab_size"] = args.vocab_size
     if args.child:
         return child(args.child, args.world_size, args.rank, args.wrap_embeddings)
@@ -76,12 +81,13 @@ def main() -> None:
         cmd = [__file__, "--child", mode, "--world-size", args.world_size, "--rank", args.rank,
                "--vocab-size", args.vocab_size]
         cmd += ["--wrap-embeddings"] if args.wrap_embeddings else []
+        cmd += ["--smoke"] if args.smoke else []
         results[mode] = run_json_child(cmd, name=f"{mode} build")
     model_bytes = sizing["total_bytes"]
     baseline = results["meta"]["baseline_rss"]
     target = model_bytes / args.world_size + 2 * largest_block + baseline
     report = {
-        "model_params": sizing["total_params"], "model_mib": mib(model_bytes), "world_size": args.world_size,
+        "smoke": args.smoke, "model_params": sizing["total_params"], "model_mib": mib(model_bytes), "world_size": args.world_size,
         "largest_block_mib": mib(largest_block), "root_unit_mib": mib(sizing["units"][-1]["bytes"]),
         "baseline_rss_mib": mib(baseline),
         "meta_peak_rss_mib": mib(results["meta"]["peak_rss"]), "eager_peak_rss_mib": mib(results["eager"]["peak_rss"]),
@@ -91,7 +97,7 @@ def main() -> None:
         "meta_build_seconds": results["meta"]["build_seconds"], "eager_build_seconds": results["eager"]["build_seconds"],
         "rank_param_mib": mib(results["meta"]["rank_param_bytes"]),
     }
-    print(json.dumps(report, indent=2))
+    emit(report)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/scale.py                                  # llama-2-7b, rank 0 of 64
     python benchmarks/scale.py --preset llama-2-13b --world-size 64
     python benchmarks/scale.py --compare-with 8651a6a           # the same build from another commit, same run
+    python benchmarks/scale.py --smoke                          # a tiny Llama, rank 0 of 2: checks the script runs
 
 Each build runs in a fresh child process (benchmarks/_harness.py; peak = the child's own VmHWM). Prints JSON
 with the target: peak <= baseline + model / N + 1.5 x the largest FSDP unit, where baseline is
@@ -23,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import emit, mib, run_json_child, vm_hwm_bytes
+from _harness import SMOKE_LLAMA, add_smoke_flag, emit, mib, run_json_child, vm_hwm_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_SECONDS = 90  # rank 0 of 64 of the 7B config on a 2-core host
@@ -76,17 +77,25 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--compare-with", default=None, help="also build with this commit's tree (e.g. a commit before a change)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_smoke_flag(p)
     args = p.parse_args()
     if args.child:
         return child(args.child, args.world_size, args.rank)
 
     sys.path.insert(0, str(ROOT))
+    from transformers import LlamaConfig
+
     from hf_xla_fsdp import XlaFsdpPlugin
     from hf_xla_fsdp.planning.presets import MODEL_PRESETS, preset_config
     from hf_xla_fsdp.planning.units import plan
 
-    kwargs = {k: v for k, v in MODEL_PRESETS[args.preset][1].items() if k != "architectures"}
-    sizing = plan(preset_config(args.preset), XlaFsdpPlugin(), world_size=args.world_size)
+    if args.smoke:
+        kwargs, args.world_size = dict(SMOKE_LLAMA), 2
+        config = LlamaConfig(**kwargs)
+    else:
+        kwargs = {k: v for k, v in MODEL_PRESETS[args.preset][1].items() if k != "architectures"}
+        config = preset_config(args.preset)
+    sizing = plan(config, XlaFsdpPlugin(), world_size=args.world_size)
     model_bytes, largest = sizing["total_bytes"], sizing["largest_unit_bytes"]
     cmd = [__file__, "--child", json.dumps(kwargs), "--world-size", args.world_size, "--rank", args.rank]
     trees = {"current": ROOT}
@@ -97,7 +106,7 @@ def main() -> None:
                    for name, tree in trees.items()}
     host = host_memory_bytes()
     report: dict = {
-        "preset": args.preset, "world_size": args.world_size, "rank": args.rank,
+        "smoke": args.smoke, "preset": "smoke" if args.smoke else args.preset, "world_size": args.world_size, "rank": args.rank,
         "model_params": sizing["total_params"], "model_fp32_mib": mib(model_bytes),
         "largest_unit": max(sizing["units"], key=lambda u: u["bytes"])["unit"], "largest_unit_mib": mib(largest),
         "planned_rank_param_mib": mib(sizing["bytes_per_rank"]), "host_memory_mib": mib(host),
@@ -115,7 +124,7 @@ def main() -> None:
             "within_time_target": res["build_seconds"] <= TARGET_SECONDS, "process_seconds": res["process_seconds"],
             "rank_param_mib": mib(res["rank_param_bytes"]),
         }
-    print(json.dumps(report, indent=2))
+    emit(report)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ same TrainingArguments and fsdp_config (examples/xla_fsdp_config.json), each tra
 
     PJRT_DEVICE=CPU python benchmarks/trainer_vs_stock.py [--steps 30] [--warmup 5] [--workdir DIR]
         [--construct-world-size 8] [--construct-model llama-325m] [--skip-training] [--skip-construction]
+    PJRT_DEVICE=CPU python benchmarks/trainer_vs_stock.py --smoke   # a tiny Llama, 3 steps: checks the script runs
 
 "ours" is ``XlaFsdpTrainer(model=config)`` (meta init, block-by-block wrap); "stock" is
 ``transformers.Trainer`` given ``AutoModelForCausalLM.from_config(config)`` built after ``set_seed``
@@ -42,6 +43,7 @@ import argparse
 import ctypes
 import gc
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -50,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import MIB, emit, mib, run_json_child, vm_hwm_bytes
+from _harness import MIB, add_smoke_flag, emit, mib, run_json_child, vm_hwm_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -388,7 +390,12 @@ def main() -> None:
     p.add_argument("--skip-construction", action="store_true", help="no construction_world_size section")
     p.add_argument("--child", choices=["ours", "stock"], help=argparse.SUPPRESS)
     p.add_argument("--construct-child", choices=["ours", "stock"], help=argparse.SUPPRESS)
+    add_smoke_flag(p)
     args = p.parse_args()
+    if args.smoke:  # the children get these sizes as flags
+        args.steps, args.warmup, args.batch_size, args.block_size = 3, 1, 2, 32
+        args.hidden_size, args.layers, args.intermediate_size, args.vocab_size = 64, 2, 128, 512
+        args.construct_model, args.construct_world_size = "train", 2
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
     if args.construct_world_size < 1:
@@ -406,13 +413,14 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     wall = time.perf_counter()
+    temporary = args.smoke and not args.workdir  # a smoke run leaves nothing behind
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="trainer_vs_stock-")
     heads = max(1, args.hidden_size // 64)
     config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
                          intermediate_size=args.intermediate_size, num_attention_heads=heads,
                          num_key_value_heads=heads, max_position_embeddings=max(256, args.block_size),
                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    report: dict[str, Any] = {}
+    report: dict[str, Any] = {"smoke": args.smoke}
     comparison: dict[str, Any] = {}
     if not args.skip_training:
         config.save_pretrained(Path(args.workdir) / "config")
@@ -468,7 +476,9 @@ def main() -> None:
             "construction_world_size_rank_params_match_model_over_n": section["rank_params_match_model_over_n"],
         })
     report.update({"comparison": comparison, "workdir": args.workdir, "wall_s": round(time.perf_counter() - wall, 1)})
-    print(json.dumps(report, indent=2))
+    if temporary:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    emit(report)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ sys.path.insert(0, str(HERE))
 
 from clm_data import build_datasets  # noqa: E402
 
+# importing the trainer makes TrainingArguments ready the runtime for their settings (FSDP v2: SPMD) before they
+# take the device, so nothing else has to run first
 from hf_xla_fsdp import XlaFsdpTrainer  # noqa: E402
-from hf_xla_fsdp.integrations.startup import enable_spmd_if_configured  # noqa: E402
 
 
 @dataclass
@@ -94,7 +95,6 @@ def load_data(data_args: DataTrainingArguments, tokenizer, seed: int) -> tuple:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     """Train, save the consolidated model, evaluate; returns the metrics."""
-    enable_spmd_if_configured(argv)  # FSDP v2: SPMD must start before TrainingArguments exist
     model_args, data_args, training_args = parse_args(argv)
     set_seed(training_args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name)

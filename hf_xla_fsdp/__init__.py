@@ -3,8 +3,6 @@
 from typing import Any
 
 from .errors import CheckpointError, ConfigError, PushError, XlaFsdpError
-from .export.hub import export
-from .plugin import XlaFsdpPlugin
 
 __version__ = "0.3.0"
 __all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", "XlaFsdpDPOTrainer", "XlaFsdpError",
@@ -17,18 +15,20 @@ from .upstream import check_versions as _check_versions  # noqa: E402
 _check_versions(__version__)
 
 
-# the Trainer and the Accelerator pull in transformers / accelerate (and torch_xla); config-only
-# users and the CLI should not pay for them
-_LAZY = {"enable_spmd": "engines.v2", "XlaFsdpSession": "session", "XlaFsdpTrainer": "integrations.trainer",
-         "XlaFsdpTrainerMixin": "integrations.trainer", "xla_fsdp_trainer": "integrations.trainer",
-         "XlaFsdpAccelerator": "integrations.accelerate", "XlaFsdpSFTTrainer": "integrations.trl",
-         "XlaFsdpDPOTrainer": "integrations.trl", "XlaFsdpGRPOTrainer": "integrations.trl",
-         "XlaFsdpRewardTrainer": "integrations.trl"}
+# every public name but the errors is imported on first use: torch (and transformers, accelerate, torch_xla) cost
+# seconds, which `hf-xla-fsdp --help` and config-only users should not pay; importing the package patches nothing
+_LAZY = {"XlaFsdpPlugin": "plugin", "enable_spmd": "engines.v2", "XlaFsdpSession": "session",
+         "XlaFsdpTrainer": "integrations.trainer", "XlaFsdpTrainerMixin": "integrations.trainer",
+         "xla_fsdp_trainer": "integrations.trainer", "XlaFsdpAccelerator": "integrations.accelerate",
+         "XlaFsdpSFTTrainer": "integrations.trl", "XlaFsdpDPOTrainer": "integrations.trl",
+         "XlaFsdpGRPOTrainer": "integrations.trl", "XlaFsdpRewardTrainer": "integrations.trl"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name == "export":  # the subpackage, callable as export.hub.export (see hf_xla_fsdp/export/__init__.py)
+        return importlib.import_module(f"{__name__}.export")
+    if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'hf_xla_fsdp' has no attribute {name!r}")

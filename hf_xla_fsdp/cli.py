@@ -7,16 +7,21 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from . import __version__
 from .errors import ConfigError, PushError
-from .plugin import XlaFsdpPlugin
+from .launch import HelpFormatter
+
+if TYPE_CHECKING:  # the plugin imports torch: only a command that needs it does (`--help` stays fast)
+    from .plugin import XlaFsdpPlugin
 
 
-def _plugin_from_args(args: argparse.Namespace) -> XlaFsdpPlugin:
+def _plugin_from_args(args: argparse.Namespace) -> "XlaFsdpPlugin":
+    from .plugin import XlaFsdpPlugin
+
     if args.fsdp_config and args.accelerate_config:
-        raise ConfigError("give either --fsdp_config or --accelerate_config, not both")
+        raise ConfigError("give either --fsdp-config or --accelerate-config, not both")
     if args.fsdp_config:
         return XlaFsdpPlugin.from_fsdp_config(args.fsdp_config)
     if args.accelerate_config:
@@ -24,7 +29,7 @@ def _plugin_from_args(args: argparse.Namespace) -> XlaFsdpPlugin:
     return XlaFsdpPlugin()
 
 
-def _plan_plugin(args: argparse.Namespace) -> XlaFsdpPlugin:
+def _plan_plugin(args: argparse.Namespace) -> "XlaFsdpPlugin":
     """The plugin of --fsdp-config / --accelerate-config with the plan's own flags applied on top."""
     plugin = _plugin_from_args(args)
     changes = {}
@@ -143,10 +148,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _prefix_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-prefix", "--ckpt_prefix", default=None,
                    help="torch_xla's spelling of the checkpoint: rank files are glob(PREFIX + SUFFIX), joined as plain "
-                        "strings (a directory needs its trailing slash: out/checkpoint-100/)")
+                        "strings (a directory needs its trailing slash: out/checkpoint-100/) (default: none, the "
+                        "positional checkpoint)")
     p.add_argument("--ckpt-suffix", "--ckpt_suffix", default=None,
-                   help="glob after the prefix for torch_xla-style files (default *.pth), as torch_xla's "
-                        "consolidate_sharded_ckpts; e.g. 'rank*-of-*-pytorch_model.bin' for the Trainer's files")
+                   help="glob after the prefix for torch_xla-style files, as torch_xla's consolidate_sharded_ckpts; "
+                        "e.g. 'rank*-of-*-pytorch_model.bin' for the Trainer's files (default: *.pth with "
+                        "--ckpt-prefix)")
 
 
 # ---------------------------------------------------------------- env: what a bug report needs (self-contained block)
@@ -204,14 +211,18 @@ def collect_env(versions: dict, devices: Optional[dict] = None) -> dict:
     :func:`device_info` (skipped when None)."""
     import platform
 
-    from .upstream import SUPPORTED, TESTED, untested
+    from .upstream import SUPPORTED, TESTED, tested_combination, untested
 
     outside = untested(versions)
+    ran = tested_combination(versions)
     report = {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": {name: versions.get(name) or "not installed" for name in ENV_PACKAGES},
-        "tested_combination": not outside,
+        # only the combinations the suite ran (constraints/oldest.txt and constraints/tested.txt) are "tested"
+        "tested_combination": ran is not None,
+        "tested_as": ran,
+        "in_tested_ranges": not outside,
         "untested": {name: f"{version} (tested {low} to {high})" for name, version, (low, high) in outside},
         "tested_ranges": {name: f"{low} to {high}" for name, (low, high) in TESTED.items()},
         "supported": dict(SUPPORTED),
@@ -237,9 +248,12 @@ def format_env(report: dict) -> str:
         if devices.get("error"):
             lines.append(f"- device query failed: {devices['error']}")
     if report["tested_combination"]:
-        lines.append("- tested combination: yes")
-    else:
+        lines.append(f"- tested combination: yes ({report['tested_as']})")
+    elif report["untested"]:
         lines.append("- tested combination: no: " + ", ".join(f"{n} {v}" for n, v in report["untested"].items()))
+    else:
+        lines.append("- tested combination: no: every package is within its tested range, but the suite ran only "
+                     "constraints/oldest.txt and constraints/tested.txt")
     return "\n".join(lines)
 
 
@@ -256,7 +270,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def _add_env_parser(sub: "argparse._SubParsersAction") -> None:
-    p = sub.add_parser("env", help="versions, XLA devices and whether they are a tested combination (for bug reports)")
+    p = _sub(sub, "env", "versions, XLA devices and whether they are a tested combination (for bug reports)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--no-devices", "--no_devices", action="store_true",
                    help="versions only: do not import torch_xla or start its runtime (e.g. while a job holds the TPU)")
@@ -264,84 +278,128 @@ def _add_env_parser(sub: "argparse._SubParsersAction") -> None:
 # ---------------------------------------------------------------- end of env
 
 
+class _DeprecatedVersion(argparse.Action):
+    """``plan --version N``: the old spelling of ``--fsdp-version`` (it reads like the program's ``--version``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        print("hf-xla-fsdp plan: --version N is deprecated (it reads like the program's --version): use "
+              "--fsdp-version N", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _sub(sub: "argparse._SubParsersAction", name: str, text: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+
+
+def _output(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument_group("required arguments").add_argument("--output", "-o", required=True, help=text)
+
+
+def _quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _shards(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the written weights ('auto' keeps the trained dtype)")
+    p.add_argument("--max-shard-size", "--max_shard_size", default="5GB",
+                   help="largest safetensors file written (e.g. 5GB, 500MB)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``hf-xla-fsdp``."""
-    parser = argparse.ArgumentParser(prog="hf-xla-fsdp", description="PyTorch/XLA FSDP for Hugging Face models")
-    parser.add_argument("--version", action="version", version=f"hf_xla_fsdp {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="hf-xla-fsdp", description="PyTorch/XLA FSDP for Hugging Face models",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hf_xla_fsdp {__version__}",
+                        help="print the version of hf_xla_fsdp and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("plan", help="show the FSDP units and per-rank memory of a model (built on meta only)")
-    p.add_argument("model", help="a local model directory, a config.json, or a preset name "
-                                 "(llama-2-7b, llama-2-13b, llama-2-70b, vit-10b, ...)")
-    p.add_argument("--world_size", "--world-size", type=int, default=None, help="number of ranks to shard over")
+    p = _sub(sub, "plan", "show the FSDP units and per-rank memory of a model (built on meta only)")
+    p.add_argument("model", help="a local model directory, a config.json, a Hub id in the local cache, or a preset "
+                                 "name (llama-2-7b, llama-2-13b, llama-2-70b, vit-10b, ...)")
+    p.add_argument("--world-size", "--world_size", type=int, default=None,
+                   help="number of ranks to shard over (default: 1; not with --tpu)")
     p.add_argument("--tpu", default=None, help="a TPU slice (v4-8, v5e-16, v5p-8, v6e-8, ...): memory per chip and "
-                                               "whether training fits")
+                                               "whether training fits (default: none, the unit plan only)")
     p.add_argument("--batch-size", "--batch_size", type=int, default=1, help="with --tpu: samples per chip per step")
     p.add_argument("--seq-len", "--seq_len", type=int, default=None,
                    help="with --tpu: tokens per sample (default: max_position_embeddings up to 2048; ViT: its patches)")
-    p.add_argument("--activation-checkpointing", "--activation_checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", "--activation_checkpointing", action="store_true",
+                   help="count activations as with activation checkpointing (the settings' value otherwise)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "adafactor"],
-                   help="with --tpu: whose state to count (sgd: torch's default, no momentum)")
-    p.add_argument("--compute-dtype", "--compute_dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--version", "--fsdp-version", dest="engine_version", type=int, default=None,
-                   choices=[1, 2], help="FSDP engine: 1 (XlaFullyShardedDataParallel) or 2 (SPMD)")
+                   help="with --tpu: whose state to count (sgd: torch's plain SGD, no momentum)")
+    p.add_argument("--compute-dtype", "--compute_dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the settings' compute_dtype replaced (default: the settings', float32 without any)")
+    p.add_argument("--fsdp-version", "--fsdp_version", dest="engine_version", type=int, default=None, choices=[1, 2],
+                   help="FSDP engine: 1 (XlaFullyShardedDataParallel) or 2 (SPMD) (default: the settings', 1 without "
+                        "any)")
+    p.add_argument("--version", dest="engine_version", type=int, choices=[1, 2], action=_DeprecatedVersion,
+                   help=argparse.SUPPRESS)
     p.add_argument("--tensor-parallel-size", "--tensor_parallel_size", type=int, default=None,
-                   help="with --tpu, FSDP v2: split blocks over T chips (a replica x fsdp x tensor mesh); without it "
-                        "the plan proposes the smallest T that fits")
+                   help="with --tpu, FSDP v2: split blocks over T chips (a replica x fsdp x tensor mesh) (default: "
+                        "the settings'; with 1 the plan proposes the smallest T that fits)")
     p.add_argument("--json", action="store_true", help="with --tpu: one JSON object (top level has 'fits')")
-    p.add_argument("--fsdp_config", "--fsdp-config", help="transformers-style fsdp_config JSON")
-    p.add_argument("--accelerate_config", "--accelerate-config", help="accelerate YAML with an fsdp_config: mapping")
+    p.add_argument("--fsdp-config", "--fsdp_config", default=None,
+                   help="transformers-style fsdp_config (JSON file or inline JSON) (default: none, the defaults)")
+    p.add_argument("--accelerate-config", "--accelerate_config", default=None,
+                   help="accelerate YAML with an fsdp_config: mapping (default: none)")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("consolidate", help="merge FSDP rank files into a sharded safetensors model (streaming)")
+    p = _sub(sub, "consolidate", "merge FSDP rank files into a sharded safetensors model (streaming)")
     p.add_argument("ckpt", nargs="?", default=None,
-                   help="an hf_xla_fsdp checkpoint dir, a Trainer checkpoint dir, or a torch_xla file prefix")
-    p.add_argument("--output", "-o", required=True, help="directory to write (must not exist, unless --overwrite)")
+                   help="an hf_xla_fsdp checkpoint dir, a Trainer checkpoint dir, or a torch_xla file prefix "
+                        "(or --ckpt-prefix)")
+    _output(p, "directory to write (must not exist, unless --overwrite)")
     _prefix_flags(p)
-    p.add_argument("--config", default=None, help="model dir or config.json, when the rank files carry no config")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-shard-size", "--max_shard_size", default="5GB")
+    p.add_argument("--config", default=None,
+                   help="model dir or config.json, when the rank files carry no config (default: the rank files')")
+    _shards(p)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--merge-adapters", "--merge_adapters", action="store_true",
-                   help="PEFT checkpoints: the full model with the LoRA updates merged in (default: peft's adapter files)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+                   help="PEFT checkpoints: the full model with the LoRA updates merged in (default: peft's adapter "
+                        "files)")
+    _quiet(p)
     p.set_defaults(func=cmd_consolidate)
 
-    p = sub.add_parser("verify", help="check every rank file of a checkpoint against its checksums (no consolidation)")
+    p = _sub(sub, "verify", "check every rank file of a checkpoint against its checksums (no consolidation)")
     p.add_argument("ckpt", nargs="?", default=None,
                    help="an hf_xla_fsdp checkpoint dir (also a Trainer checkpoint dir or a torch_xla file prefix)")
     _prefix_flags(p)
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("gather", help="copy a local-mode checkpoint's parts from every host's directory into one")
+    p = _sub(sub, "gather", "copy a local-mode checkpoint's parts from every host's directory into one")
     p.add_argument("sources", nargs="+", help="every host's directory of the checkpoint (paths, or URLs such as gs://)")
-    p.add_argument("--output", "-o", required=True, help="directory (or URL) to write; must not exist, unless --overwrite")
+    _output(p, "directory (or URL) to write; must not exist, unless --overwrite")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output")
     p.set_defaults(func=cmd_gather)
 
-    p = sub.add_parser("export", help="consolidated model + generated model card in DIR, optionally pushed to the Hub")
+    p = _sub(sub, "export", "consolidated model + generated model card in DIR, optionally pushed to the Hub")
     p.add_argument("source", nargs="?", default=None,
                    help="a sharded checkpoint (as for consolidate) or an already consolidated directory")
-    p.add_argument("--output", "-o", required=True)
-    p.add_argument("--repo-id", "--repo_id", default=None, help="ORG/NAME on the Hub (also the card's model name)")
+    _output(p, "directory to write the model and its card to (must not exist, unless --overwrite)")
+    p.add_argument("--repo-id", "--repo_id", default=None,
+                   help="ORG/NAME on the Hub, also the card's model name (default: none, the directory's name)")
     p.add_argument("--push", action="store_true", help="create the repo and upload DIR (needs a token and network)")
-    p.add_argument("--private", action="store_true")
-    p.add_argument("--revision", default=None, help="branch to push to")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-shard-size", "--max_shard_size", default="5GB")
+    p.add_argument("--private", action="store_true", help="with --push: create the repo private")
+    p.add_argument("--revision", default=None, help="with --push: the branch to push to (default: main)")
+    _shards(p)
     _prefix_flags(p)
-    p.add_argument("--config", default=None)
-    p.add_argument("--license", default=None)
-    p.add_argument("--base-model", "--base_model", default=None, help="the model this one was fine-tuned from")
-    p.add_argument("--dataset", action="append", default=None, help="training data set id (repeatable)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--config", default=None,
+                   help="model dir or config.json, when the rank files carry no config (default: the rank files')")
+    p.add_argument("--license", default=None, help="license named in the card (default: none)")
+    p.add_argument("--base-model", "--base_model", default=None,
+                   help="the model this one was fine-tuned from, for the card (default: none)")
+    p.add_argument("--dataset", action="append", default=None,
+                   help="training data set id for the card, repeatable (default: none)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--merge-adapters", "--merge_adapters", action="store_true",
-                   help="PEFT checkpoints: export the full model with the LoRA updates merged in")
-    p.add_argument("--quiet", action="store_true")
+                   help="PEFT checkpoints: export the full model with the LoRA updates merged in (default: adapters)")
+    _quiet(p)
     p.set_defaults(func=cmd_export)
     _add_env_parser(sub)
 
-    p = sub.add_parser("launch", help="run an unmodified training script with XLA FSDP (docs/launch.md)")
+    p = _sub(sub, "launch", "run an unmodified training script with XLA FSDP (docs/launch.md)")
     from .launch import add_arguments
 
     add_arguments(p)

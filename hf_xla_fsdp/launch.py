@@ -5,12 +5,15 @@
     python -m hf_xla_fsdp.launch [...]                            # the same
 
 The script runs as ``__main__`` (``runpy``), with ``sys.argv`` set to its own arguments. Before its first line:
-the settings are read and checked (:func:`hf_xla_fsdp.integrations.launched.launch_settings`: the script's
-``--fsdp_config``, then the YAML's ``fsdp_config:``, then the launcher's ``--fsdp_config``); SPMD is started when
-they select FSDP v2; ``transformers.Trainer`` with every subclass and ``accelerate.Accelerator`` build their XLA
-FSDP versions (:func:`hf_xla_fsdp.integrations.launched.install_launch`); on a pod every host checks that the others
-run the same script, arguments, settings and package versions. FSDP v1 with ``--num_processes`` (or a YAML that
-gives it) starts its processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
+the settings are read and checked (:func:`hf_xla_fsdp.config.resolve.launch_sources`: the script's
+``--fsdp_config``, the YAML's ``fsdp_config:`` and ``mixed_precision``, the launcher's ``--fsdp_config`` and
+``--mixed_precision``, by the one conflict rule) and handed to the script's processes in ``HF_XLA_FSDP_LAUNCH``
+(:func:`hf_xla_fsdp.config.resolve.hand_off`); in each process the runtime is readied for them (FSDP v2: SPMD) and
+``transformers.Trainer`` with every subclass and ``accelerate.Accelerator`` build their XLA FSDP versions
+(:func:`hf_xla_fsdp.integrations.launched.start`); on a pod every host checks that the others run the same script,
+arguments, settings and package versions. When the session says the engine runs one process per device (FSDP v1,
+:meth:`hf_xla_fsdp.session.XlaFsdpSession.processes_per_host`), ``--num_processes`` (or a YAML that gives it) starts
+the processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
 
 Bad input (a script that does not exist, conflicting settings, a v2 config once the script used the XLA device
 without SPMD, a host that differs) is one line on stderr and exit code 2, before any work.
@@ -38,19 +41,33 @@ POD_PACKAGES = ("hf_xla_fsdp", "torch", "torch_xla", "transformers", "accelerate
                 "safetensors")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help ends with its default (unless it says it already, or there is none to say)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.required or action.default in (None, argparse.SUPPRESS)
+                or "(default:" in text or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The launcher's options (shared by ``hf-xla-fsdp launch`` and ``python -m hf_xla_fsdp.launch``)."""
-    parser.add_argument("--config_file", "--config-file", default=None,
+    parser.add_argument("--config-file", "--config_file", dest="config_file", default=None,
                         help="accelerate YAML (the file `accelerate launch --config_file` reads); its fsdp_config: "
-                             "mapping gives settings, mixed_precision and num_processes apply")
-    parser.add_argument("--fsdp_config", "--fsdp-config", default=None,
-                        help="settings (JSON file or inline JSON) for scripts that name none themselves")
-    parser.add_argument("--num_processes", "--num-processes", type=int, default=None,
-                        help="FSDP v1: processes on this host, started with xmp.spawn as accelerate does on XLA "
-                             "(XLA:CPU: sets CPU_NUM_DEVICES). FSDP v2 runs one process per host")
-    parser.add_argument("--mixed_precision", "--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
-                        help="as accelerate's: the compute dtype of Accelerator scripts")
-    parser.add_argument("--no_pod_check", action="store_true",
+                             "mapping gives settings, mixed_precision and num_processes apply (default: none)")
+    parser.add_argument("--fsdp-config", "--fsdp_config", dest="fsdp_config", default=None,
+                        help="settings (JSON file or inline JSON) for scripts that name none themselves (default: "
+                             "none; the script's own --fsdp_config and the YAML's apply too)")
+    parser.add_argument("--num-processes", "--num_processes", dest="num_processes", type=int, default=None,
+                        help="engines with a process per device (FSDP v1): processes on this host, started with "
+                             "xmp.spawn as accelerate does on XLA (XLA:CPU: sets CPU_NUM_DEVICES) (default: the "
+                             "YAML's, else the script runs in the launcher's process); FSDP v2 runs one per host")
+    parser.add_argument("--mixed-precision", "--mixed_precision", dest="mixed_precision", choices=("no", "bf16", "fp16"),
+                        default=None, help="as accelerate's: the compute dtype (compute_dtype, never autocast) of the "
+                                           "script's Trainer or Accelerator (default: the YAML's, else none)")
+    parser.add_argument("--no-pod-check", "--no_pod_check", dest="no_pod_check", action="store_true",
                         help="skip the check that every host runs the same script, settings and versions")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, as `python -m` does")
     parser.add_argument("script", help="the training script (or module, with -m)")
@@ -58,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _VALUED = {"--config_file", "--config-file", "--fsdp_config", "--fsdp-config", "--num_processes", "--num-processes",
-           "--mixed_precision", "--mixed-precision"}
+           "--mixed_precision", "--mixed-precision"}  # the options that take a value (the next argument)
 
 
 def split_command_line(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -168,14 +185,11 @@ def run_target(target: str, is_module: bool, script_args: Sequence[str]) -> None
 
 
 def _start(plan: dict[str, Any]) -> None:
-    """In the training process, before the script: patches, SPMD for v2, the pod check, then the script."""
-    from .integrations import launched, startup
-    from .plugin import XlaFsdpPlugin
+    """In the training process, before the script: patches and the runtime for the handed-over settings, the pod
+    check, then the script."""
+    from .integrations import launched
 
-    plugin = XlaFsdpPlugin.from_dict(plan["settings"]) if plan["settings"] is not None else None
-    launched.install_launch(plugin)
-    if plugin is not None and plugin.version == 2:
-        startup.setup_runtime(plugin, what="the launcher")
+    launched.start(what="the launcher")
     if not plan["no_pod_check"]:
         check_pod(plan["fingerprint"])
     run_target(plan["target"], plan["module"], plan["script_args"])
@@ -192,10 +206,12 @@ def _spawned(index: int, plan: dict[str, Any]) -> None:
 
 
 def prepare(ns: argparse.Namespace) -> dict[str, Any]:
-    """Check the command line and read the settings (no XLA runtime, nothing run); returns the launch plan."""
+    """Check the command line and read the settings (no XLA runtime, nothing run) and hand them over (the
+    environment); returns the launch plan."""
     from .config.keys import read_accelerate_yaml
-    from .config.sources import ENV_CONFIG
-    from .integrations.launched import launch_settings
+    from .config.resolve import hand_off, launch_sources
+    from .plugin import XlaFsdpPlugin
+    from .session import XlaFsdpSession
 
     target = ns.script
     if ns.module:
@@ -214,21 +230,14 @@ def prepare(ns: argparse.Namespace) -> dict[str, Any]:
     yaml = read_accelerate_yaml(ns.config_file) if ns.config_file else {}
     if not isinstance(yaml, dict):
         raise ConfigError(f"accelerate config file {ns.config_file} must hold a mapping")
-    plugin = launch_settings(ns.script_args, ns.config_file, ns.fsdp_config)
-    version = plugin.version if plugin is not None else 1
-    processes = ns.num_processes if ns.num_processes is not None else yaml.get("num_processes")
-    if version == 2 and processes not in (None, 1, "1"):
-        raise ConfigError(f"num_processes={processes}: FSDP v2 (SPMD) drives every device of a host from one process; "
-                          "drop num_processes (or set it to 1)")
-    if ns.config_file:
-        os.environ.setdefault(ENV_CONFIG, os.path.abspath(ns.config_file))  # for XlaFsdpAccelerator() in the script
-    precision = ns.mixed_precision or yaml.get("mixed_precision")
-    if precision not in (None, "no"):
-        os.environ.setdefault("ACCELERATE_MIXED_PRECISION", str(precision))  # as accelerate launch exports it
-    settings = plugin.to_dict() if plugin is not None else None
+    sources = launch_sources(ns.script_args, ns.config_file, ns.fsdp_config, ns.mixed_precision)
+    plugin = XlaFsdpPlugin.resolve(sources)  # the defaults when no source names a setting
+    requested = ns.num_processes if ns.num_processes is not None else yaml.get("num_processes")
+    processes = XlaFsdpSession(plugin).processes_per_host(requested)
+    hand_off(sources)  # this process and every process it starts (xmp.spawn's) read them from the environment
+    settings = plugin.to_dict() if sources else None
     return {"target": target, "module": ns.module, "script_args": list(ns.script_args), "settings": settings,
-            "no_pod_check": ns.no_pod_check, "spawn": version == 1 and processes is not None,
-            "processes": int(processes) if processes is not None else None,
+            "no_pod_check": ns.no_pod_check, "spawn": processes is not None, "processes": processes,
             "fingerprint": launch_fingerprint(target, ns.module, ns.script_args, settings or {})}
 
 
@@ -252,7 +261,9 @@ def launch(ns: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m hf_xla_fsdp.launch") -> int:
     """``python -m hf_xla_fsdp.launch`` (and ``hf-xla-fsdp launch``)."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace("``", ""),
+                                     allow_abbrev=False,
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
     return launch(parse_command_line(parser, sys.argv[1:] if argv is None else argv))
 

@@ -13,7 +13,6 @@ resolves the engine from ``version``; :meth:`build` and :meth:`wrap` hand over t
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -21,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .config.keys import normalize, read_accelerate_yaml, read_settings_file
+from .config import resolve as sources
+from .config.engines import ENGINE_LAUNCHERS, ENGINE_NAMES, ENGINE_TITLES  # noqa: F401 - re-exported, as before
+from .config.keys import normalize, read_accelerate_yaml
 from .errors import ConfigError
 from .modeling.tensor_parallel import parse_plan
 from .settings import check_size, parse_bool, parse_buckets, parse_cache_dir, parse_dtype, parse_int
@@ -36,17 +37,6 @@ CHECKPOINT_FORMATS = ("sharded", "sharded+consolidated")
 CHECKPOINT_STORAGES = ("auto", "shared", "local", "object")  # checkpoint/storage.py: one backend each
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
-
-#: the engines ``version`` selects (``hf_xla_fsdp.engines.ENGINES`` implements each; a test keeps them equal)
-ENGINE_TITLES = {1: "FSDP v1 (XlaFullyShardedDataParallel)", 2: "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
-#: accelerate's ``distributed_type`` each engine runs under, and the fix when it is another
-ENGINE_LAUNCHERS = {
-    1: (("XLA", "TPU"), "XLA FSDP needs distributed_type: XLA"),
-    # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
-    2: (("NO",), "FSDP v2 (SPMD) drives every device from one process; set distributed_type: NO and num_processes: 1 "
-                 "(see examples/xla_fsdp_v2.yaml)"),
-}
-
 
 def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg: bool = False,
             engines: Sequence[int] = (1, 2), minimum: int = 0,
@@ -64,11 +54,13 @@ _V1 = (1,)
 _NO_FP16_ON_V2 = {2: ((torch.float16,), "FSDP v2 has no loss scaling for float16; use bfloat16 or float32")}
 
 
-@dataclass
+@dataclass(frozen=True)
 class XlaFsdpPlugin:
     """Settings for PyTorch/XLA Fully Sharded Data Parallel, applied with :meth:`wrap` or :meth:`build`.
 
-    Every field's ``help`` says what it does (``XlaFsdpPlugin.describe()`` lists them all).
+    Every field's ``help`` says what it does (``XlaFsdpPlugin.describe()`` lists them all). A plugin is fixed once
+    built (a frozen dataclass): ``dataclasses.replace(plugin, ...)`` makes a changed copy, and whatever a session
+    derives from it (e.g. ``tensor_parallel_size: auto``'s value) is the session's, never written back.
     """
 
     version: int = setting(1, "FSDP engine: 1 = XlaFullyShardedDataParallel (one process per device), "
@@ -116,7 +108,7 @@ class XlaFsdpPlugin:
     sharding_world_size: Optional[int] = setting(None, "size of the sharding group", fsdp_kwarg=True, engines=_V1)
     replica_size: int = setting(1, "FSDP v2: devices form a (replica_size, N / replica_size) mesh; parameters are "
                                    "split over the second axis and replicated over the first (hybrid when > 1)",
-                                minimum=1)
+                                engines=(2,), minimum=1)
     tensor_parallel_size: Union[int, str] = setting(
         1, "FSDP v2: devices form a (replica_size, fsdp, T) mesh with fsdp = devices / (replica_size x T); inside each "
            "block attention is split by heads and the MLP by its intermediate dim over the T devices (and the "
@@ -170,12 +162,15 @@ class XlaFsdpPlugin:
               "input_ids get the pad token (else eos, else 0: hidden by the mask), labels -100, attention masks 0, "
               "on the tokenizer's padding side")
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901 - one check per setting, in field order
+        def put(name: str, value: Any) -> None:  # frozen: values are normalized once, here
+            object.__setattr__(self, name, value)
+
         for f in dataclasses.fields(self):  # the simple types, from the field descriptions
             if f.type == "bool":
-                setattr(self, f.name, parse_bool(getattr(self, f.name), f.name))
+                put(f.name, parse_bool(getattr(self, f.name), f.name))
             elif f.type == "int":
-                setattr(self, f.name, parse_int(getattr(self, f.name), f.name, f.metadata["minimum"]))
+                put(f.name, parse_int(getattr(self, f.name), f.name, f.metadata["minimum"]))
         if self.version not in ENGINE_TITLES:
             raise ConfigError(f"version={self.version!r} is not valid; allowed values: "
                               + ", ".join(f"{v} = {title}" for v, title in sorted(ENGINE_TITLES.items())))
@@ -185,7 +180,7 @@ class XlaFsdpPlugin:
             raise ConfigError(
                 f"sharding={self.sharding!r} is not valid; allowed values: 'zero3' (nested, default), 'zero2' (root only)"
             )
-        self.sharding = sharding
+        put("sharding", sharding)
         cls_names = self.transformer_layer_cls_to_wrap
         if isinstance(cls_names, str):
             cls_names = [c.strip() for c in cls_names.split(",") if c.strip()]
@@ -196,25 +191,25 @@ class XlaFsdpPlugin:
                     "or a list of class names, e.g. ['LlamaDecoderLayer']"
                 )
             cls_names = list(cls_names)
-        self.transformer_layer_cls_to_wrap = cls_names
+        put("transformer_layer_cls_to_wrap", cls_names)
         fmt = str(self.checkpoint_format).strip().lower()
         if fmt not in CHECKPOINT_FORMATS:
             raise ConfigError(f"checkpoint_format={self.checkpoint_format!r} is not valid; allowed values: "
                               + ", ".join(repr(f) for f in CHECKPOINT_FORMATS))
-        self.checkpoint_format = fmt
+        put("checkpoint_format", fmt)
         storage = str(self.checkpoint_storage).strip().lower()
         if storage not in CHECKPOINT_STORAGES:
             raise ConfigError(f"checkpoint_storage={self.checkpoint_storage!r} is not valid; allowed values: "
                               + ", ".join(repr(f) for f in CHECKPOINT_STORAGES))
-        self.checkpoint_storage = storage
-        self.compilation_cache_dir = parse_cache_dir(self.compilation_cache_dir)
-        self.pad_to_buckets = parse_buckets(self.pad_to_buckets)
-        self.consolidate_dtype = str(self.consolidate_dtype).strip().lower()
+        put("checkpoint_storage", storage)
+        put("compilation_cache_dir", parse_cache_dir(self.compilation_cache_dir))
+        put("pad_to_buckets", parse_buckets(self.pad_to_buckets))
+        put("consolidate_dtype", str(self.consolidate_dtype).strip().lower())
         if self.consolidate_dtype != "auto":
             parse_dtype(self.consolidate_dtype, "consolidate_dtype")
         check_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
-        self.compute_dtype = parse_dtype(self.compute_dtype, "compute_dtype")
-        self.buffer_dtype = parse_dtype(self.buffer_dtype, "buffer_dtype")
+        put("compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
+        put("buffer_dtype", parse_dtype(self.buffer_dtype, "buffer_dtype"))
         for f in dataclasses.fields(self):
             values, why = f.metadata["refused"].get(self.version, ((), ""))
             if getattr(self, f.name) in values:
@@ -226,11 +221,11 @@ class XlaFsdpPlugin:
             owners = sorted({v for f in dataclasses.fields(self) if f.name in changed for v in f.metadata["engines"]})
             raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
                               f"{' or '.join(f'version={v}' for v in owners)} only; remove it for version={self.version}")
-        self.tensor_parallel_plan = parse_plan(self.tensor_parallel_plan)
+        put("tensor_parallel_plan", parse_plan(self.tensor_parallel_plan))
         if str(self.tensor_parallel_size).strip().lower() == "auto":
-            self.tensor_parallel_size = "auto"  # resolved by the session once the model and devices are known
+            put("tensor_parallel_size", "auto")  # resolved by the session once the model and devices are known
         else:
-            self.tensor_parallel_size = parse_int(self.tensor_parallel_size, "tensor_parallel_size", 1)
+            put("tensor_parallel_size", parse_int(self.tensor_parallel_size, "tensor_parallel_size", 1))
         if self.scan_layers and self.tensor_parallel_size != 1:
             # scan stacks each weight over the layers and shards the stack over fsdp only: the tensor split and
             # the head-local attention would be silently lost
@@ -242,8 +237,8 @@ class XlaFsdpPlugin:
                 "sharding_groups, sharding_rank and sharding_world_size must be given together (or none of them)"
             )
         if self.sharding_world_size is not None:
-            self.sharding_world_size = parse_int(self.sharding_world_size, "sharding_world_size", 1)
-            self.sharding_rank = parse_int(self.sharding_rank, "sharding_rank", 0)
+            put("sharding_world_size", parse_int(self.sharding_world_size, "sharding_world_size", 1))
+            put("sharding_rank", parse_int(self.sharding_rank, "sharding_rank", 0))
             if self.sharding_rank >= self.sharding_world_size:
                 raise ConfigError(
                     f"sharding_rank={self.sharding_rank} must be below sharding_world_size={self.sharding_world_size}"
@@ -280,75 +275,48 @@ class XlaFsdpPlugin:
     def _normalize(cls, settings: Mapping[str, Any], source: str) -> dict[str, Any]:
         fields = dataclasses.fields(cls)
         return normalize(settings, source, fields={f.name for f in fields}, fsdp_kwargs=cls.fsdp_kwarg_names(),
-                         aliases={alias: f.name for f in fields for alias in f.metadata["aliases"]})
+                         aliases={alias: f.name for f in fields for alias in f.metadata["aliases"]},
+                         one_process_engines=[v for v, (launchers, _) in ENGINE_LAUNCHERS.items() if "NO" in launchers])
+
+    @classmethod
+    def resolve(cls, settings_sources: Sequence[Optional["sources.Source"]]) -> "XlaFsdpPlugin":
+        """The plugin that settings from several places describe together, by the one conflict rule of
+        :func:`hf_xla_fsdp.config.resolve.resolve` (every entry point resolves its settings through it)."""
+        return sources.resolve(settings_sources, cls)
 
     @classmethod
     def from_fsdp_config(cls, fsdp_config: Union[Mapping[str, Any], str, os.PathLike]) -> "XlaFsdpPlugin":
-        """Build from transformers' ``fsdp_config`` (a dict or the path of its JSON file).
+        """Build from transformers' ``fsdp_config`` (a dict, inline JSON or the path of its JSON file).
 
         Accepts transformers' keys (``xla``, ``xla_fsdp_settings``, ``xla_fsdp_grad_ckpt``,
         ``xla_fsdp_v2``, ``transformer_layer_cls_to_wrap``, ``min_num_params``, each optionally
         prefixed ``fsdp_``) and any of this plugin's field names.
         """
-        source = "fsdp_config"
-        if isinstance(fsdp_config, (str, os.PathLike)):
-            source = str(fsdp_config)
-            fsdp_config = read_settings_file(fsdp_config, "fsdp_config", json.load, json.JSONDecodeError, "JSON")
-        if not isinstance(fsdp_config, Mapping):
-            raise ConfigError(f"{source} must be a JSON object / dict of settings, got {type(fsdp_config).__name__}")
-        return cls(**cls._normalize(fsdp_config, source))
+        return cls.resolve([sources.settings_source("fsdp_config", fsdp_config)])
 
     @classmethod
     def from_accelerate_config(cls, yaml_path: Union[str, os.PathLike]) -> "XlaFsdpPlugin":
-        """Build from the ``fsdp_config:`` mapping of an accelerate YAML config file."""
-        data = read_accelerate_yaml(yaml_path)
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"accelerate config file {yaml_path} must hold a mapping")
-        settings = data.get("fsdp_config") or {}
-        if not isinstance(settings, Mapping):
-            raise ConfigError(f"fsdp_config in {yaml_path} must be a mapping of settings")
-        out = cls._normalize(settings, f"fsdp_config in {yaml_path}")
-        precision = data.get("mixed_precision")
-        return cls(**out).with_mixed_precision(precision, f"mixed_precision={precision} in {yaml_path}")
+        """Build from the ``fsdp_config:`` mapping (and ``mixed_precision``) of an accelerate YAML config file."""
+        return cls.resolve(sources.yaml_sources(yaml_path))
 
     @classmethod
     def from_accelerate_launch(cls) -> "XlaFsdpPlugin":
         """The plugin described by the ``fsdp_config:`` of the accelerate YAML this process was launched with
         (found as :func:`hf_xla_fsdp.config.sources.find_accelerate_config` says), checked against its
         ``distributed_type``."""
-        from .config.sources import ENV_CONFIG, find_accelerate_config
+        from .config.sources import launched_yaml
 
-        path = find_accelerate_config()
-        if path is None:
-            raise ConfigError("no accelerate config found: run under `accelerate launch --config_file xla_fsdp.yaml`, set "
-                              f"{ENV_CONFIG}, or pass fsdp_plugin=XlaFsdpPlugin(...)")
+        path = launched_yaml()
         plugin = cls.from_accelerate_config(path)
         plugin.check_launcher(read_accelerate_yaml(path).get("distributed_type", "XLA"), str(path))
         return plugin
 
     def with_mixed_precision(self, precision: Any, source: str) -> "XlaFsdpPlugin":
-        """This plugin with accelerate's / the Trainer's mixed precision (``"no"``, ``"bf16"``, ``"fp16"``) applied.
-
-        On XLA FSDP mixed precision is the engine's ``compute_dtype``, never autocast (which breaks SDPA
-        attention on XLA); ``source`` names where the value came from in messages.
-        """
-        precision = str(getattr(precision, "value", precision) or "no").strip().lower()
-        if precision not in ("no", "bf16", "fp16", "fp8"):
-            raise ConfigError(f"{source} is not valid; allowed values: no, bf16, fp16")
-        if precision == "fp8":
-            raise ConfigError(f"{source}: fp8 cannot be honoured on XLA FSDP; use bf16 or no")
-        if precision == "no":
-            return self
-        wanted = parse_dtype(precision, "mixed_precision")
-        if self.compute_dtype == wanted:
-            return self
-        if self.compute_dtype is not None:
-            raise ConfigError(f"{source} and compute_dtype={str(self.compute_dtype).removeprefix('torch.')} "
-                              "disagree; keep one of them")
-        try:
-            return dataclasses.replace(self, compute_dtype=wanted)
-        except ConfigError as err:
-            raise ConfigError(f"{source} asks for compute_dtype={precision}: {err}") from None
+        """This plugin with accelerate's / the Trainer's mixed precision (``"no"``, ``"bf16"``, ``"fp16"``) applied,
+        by the one conflict rule of :func:`hf_xla_fsdp.config.resolve.resolve` (``source`` names the precision's
+        origin in messages). On XLA FSDP mixed precision is the engine's compute dtype, never autocast (which breaks
+        SDPA attention on XLA)."""
+        return self.resolve([sources.plugin_source(self), sources.precision_source(source, precision)])
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable settings (dtypes as strings); ``from_dict(to_dict())`` round-trips."""

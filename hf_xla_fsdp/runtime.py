@@ -1,7 +1,8 @@
 """Small helpers over the XLA runtime: device, graph cuts, process rank/count, barriers, byte gathers and RNG.
 
 torch_xla is imported inside each function: importing it starts its runtime, which config-only
-users and consolidation never need. Of ours, this module imports only :mod:`hf_xla_fsdp.errors`.
+users and consolidation never need. Of ours, this module imports only :mod:`hf_xla_fsdp.errors` and
+:mod:`hf_xla_fsdp.process` (the process state keeps the background saves' collectives group).
 """
 
 from __future__ import annotations
@@ -158,6 +159,44 @@ def all_gather_bytes(payload: bytes, tag: str = "hf_xla_fsdp.all_gather_bytes") 
     return [gathered[i * padded:i * padded + n].tobytes() for i, n in enumerate(lengths)]
 
 
+def _to_xla_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A gathered tensor that was on an XLA device goes to this process's XLA device (as CUDA tensors do in
+    torch.distributed's ``all_gather_object``)."""
+    return tensor.to(xla_device())
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every process's picklable ``obj``, gathered on every process in process order: accelerate's ``gather_object``
+    on XLA.
+
+    As accelerate does for byte-padded gathers: a list contributes its items, anything else (dict, tensor, string,
+    number, tuple) one item, so one process gives ``obj`` itself for a list and ``[obj]`` otherwise. XLA tensors come
+    back on this process's XLA device, CPU tensors on the CPU. Every process must call it (on the training thread):
+    the pickled bytes go through :func:`all_gather_bytes`.
+    """
+    import io
+    import pickle
+
+    class _ObjectPickler(pickle.Pickler):
+        # XLA tensors through a host copy (plain pickling goes through numpy, which has no bfloat16)
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
+                return _to_xla_device, (obj.detach().cpu(),)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    _ObjectPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    gathered: list[Any] = []
+    for payload in all_gather_bytes(buffer.getvalue(), tag="gather_object"):
+        # our own processes' pickles, as torch.distributed.all_gather_object unpickles them
+        part = pickle.loads(payload)  # noqa: S301
+        if isinstance(part, list):
+            gathered.extend(part)
+        else:
+            gathered.append(part)
+    return gathered
+
+
 # --------------------------------------------------------------------------- torch.distributed stand-ins
 # For processes coordinated by torch.distributed (e.g. gloo over TCP) rather than the XLA runtime: a barrier and
 # an all-gather for save_checkpoint(barrier=..., gather=...). Both end after ``timeout`` seconds, and on
@@ -200,9 +239,6 @@ def dist_gather(timeout: float = 600.0, group: Any = None) -> Callable[[str, byt
     return gather
 
 
-_SAVE_GROUP: Any = None
-
-
 def thread_safe_collectives(timeout: float = 600.0
                             ) -> Optional[tuple[Callable[[str], None], Callable[[str, bytes], list[bytes]]]]:
     """A barrier and a gather that may run outside the training thread (a background save): torch.distributed's
@@ -210,12 +246,14 @@ def thread_safe_collectives(timeout: float = 600.0
     torch.distributed is not initialized."""
     import torch.distributed as dist
 
-    global _SAVE_GROUP
+    from .process import process_state
+
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if _SAVE_GROUP is None:  # its own group: the training thread's collectives never interleave with the save's
-        _SAVE_GROUP = dist.new_group(backend="gloo")
-    return dist_barrier(timeout, _SAVE_GROUP), dist_gather(timeout, _SAVE_GROUP)
+    state = process_state()
+    if state.save_group is None:  # its own group: the training thread's collectives never interleave with the save's
+        state.save_group = dist.new_group(backend="gloo")
+    return dist_barrier(timeout, state.save_group), dist_gather(timeout, state.save_group)
 
 
 def get_xla_rng_state() -> int:

@@ -71,8 +71,6 @@ RELIED_ON: tuple[Upstream, ...] = (
     _t(f"{_TRAINER}._get_output_dir", ("trial",), "where checkpoint-N goes", override=False),
     _t(f"{_TRAINER}._push_from_checkpoint", ("checkpoint_folder",), "Hub pushes of published checkpoints", override=False),
     _t(f"{_TRAINER}.store_flos", (), "trainer state of a checkpoint", override=False),
-    _t("transformers.trainer_utils:rotate_checkpoints",
-       ("output_dir", "save_total_limit", "best_model_checkpoint", "use_mtime"), "save_total_limit", override=False),
     _t("transformers.trainer:TRAINER_STATE_NAME", None, "trainer_state.json of a checkpoint"),
     _t("transformers.training_args:TrainingArguments._setup_devices", None,
        "patched: FSDP v2 starts SPMD before accelerate's PartialState takes the device"),
@@ -124,6 +122,9 @@ RELIED_ON: tuple[Upstream, ...] = (
              "FSDP v1 units built without a full-parameter copy on the device"),
     Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
              "XlaFullyShardedDataParallel._get_shard", ("tensor",), "the reference shard layout", override=False),
+    Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
+             "XlaFullyShardedDataParallel._cast_buffers", ("dtype", "memo"),
+             "buffers cast on the host keep their original dtype for buffer_info"),
     # torch_xla: scan_layers runs its own Scan autograd function over torch_xla's scan internals (no jax needed)
     *(Upstream("torch_xla", "scan", f"torch_xla.experimental.scan:{name}", params, "scan_layers' loop", override=False)
       for name, params in (("value_and_grad_partitioned", ("fn", "init", "xs", "partition_fn", "is_fn_pure")),
@@ -193,6 +194,18 @@ def untested(versions: Mapping[str, Optional[str]],
         if release is None or not _release(low) <= release <= _release(high):
             found.append((package, version, (low, high)))
     return found
+
+
+def tested_combination(versions: Mapping[str, Optional[str]], tested: Mapping[str, tuple[str, str]] = TESTED,
+                       ) -> Optional[str]:
+    """Which combination the suite ran the installed ``versions`` are: ``"constraints/tested.txt"`` (every package at
+    the top of its tested range), ``"constraints/oldest.txt"`` (every one at the bottom), or None (packages not
+    installed are not judged). A mix of versions inside the ranges is no combination the suite ran."""
+    judged = {p: _release(v) for p, v in versions.items() if v is not None and p in tested}
+    for name, end in (("constraints/tested.txt", 1), ("constraints/oldest.txt", 0)):
+        if all(release is not None and release == _release(tested[p][end]) for p, release in judged.items()):
+            return name
+    return None
 
 
 def version_warning(versions: Mapping[str, Optional[str]], ours: str,

@@ -25,7 +25,16 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..settings import parse_dtype
 from .layout import MODEL_PREFIX, SIDE_FILES, check_side_files, merge_into, prepare_output, publish, write_bytes_atomic
-from .readers import LAYOUT_PIECES, RankSet, clean_name, gather_rows, merge_pieces, open_checkpoint, read_pieces
+from .readers import (
+    LAYOUT_PIECES,
+    RankSet,
+    buffer_dtypes,
+    clean_name,
+    gather_rows,
+    merge_pieces,
+    open_checkpoint,
+    read_pieces,
+)
 from .safetensors_io import dtype_from_name, write_safetensors_streaming
 
 logger = logging.getLogger(__name__)
@@ -86,13 +95,13 @@ def plan_outputs(ranks: RankSet) -> list[Any]:
                 for name, e in merge_pieces(ranks.files).items() if name.startswith(MODEL_PREFIX)]
     md = ranks.shard_metadata
     first = ranks.files[0]
-    buffer_info = md.get("buffer_info", {})
+    buffer_info = buffer_dtypes(md)
     out: list[OutputTensor] = []
     for key in first.model_keys():
         parts = key.split(".")
         idx = next((i for i, p in enumerate(parts) if p.startswith("_fsdp_shard")), None)
         if idx is None:  # a buffer: replicated, rank 0's copy, cast back to the dtype it had
-            dtype = buffer_info.get(key, {}).get("_orig_dtype", first.dtype(MODEL_PREFIX + key))
+            dtype = buffer_info.get(key, first.dtype(MODEL_PREFIX + key))
             out.append(OutputTensor(clean_name(key), first.shape(MODEL_PREFIX + key), dtype, key, sharded=False))
             continue
         prefix, suffix = ".".join(parts[:idx]), ".".join(parts[idx:])

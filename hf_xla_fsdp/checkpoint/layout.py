@@ -186,13 +186,100 @@ def check_side_files(directory: Path, marker: dict[str, Any], names: Optional[An
                                   "use an earlier checkpoint")
 
 
-def latest_checkpoint(run_dir: Union[str, Path]) -> Optional[Path]:
-    """The ``checkpoint-N`` directory of ``run_dir`` with the highest N that has a completion marker (None if none).
+# --------------------------------------------------------------------------- the checkpoints of a run
+#: transformers' Trainer: ``<output_dir>/checkpoint-<global step>``
+TRAINER_PREFIX = "checkpoint-"
+#: accelerate's automatic naming: ``<project_dir>/checkpoints/checkpoint_<iteration>``
+ACCELERATE_PREFIX = "checkpoint_"
 
-    Directories without one (an object-storage save killed midway, written in place) are never picked."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return None
-    marked = [p for p in run_dir.iterdir() if p.name.startswith("checkpoint-") and p.name[11:].isdigit()
-              and (p / COMPLETE_MARKER).is_file()]
-    return max(marked, key=lambda p: int(p.name[11:]), default=None)
+
+def is_complete(directory: Union[str, Path]) -> bool:
+    """True when ``directory`` holds a completion marker (a save that finished; nothing else is ever loaded)."""
+    return (Path(directory) / COMPLETE_MARKER).is_file()
+
+
+class CheckpointSeries:
+    """The numbered checkpoints of one run: how they are named, which one a resume takes, which ones rotation removes.
+
+    One policy for every entry point: the Trainer's ``checkpoint-<step>`` (:data:`TRAINER_PREFIX`) and accelerate's
+    ``checkpoint_<iteration>`` (:data:`ACCELERATE_PREFIX`), periodic and preemption saves alike. Only complete
+    checkpoints (:func:`is_complete`) count: a directory without a marker (a save killed midway, or one still being
+    written in place) is never resumed from, never counted against the limit and never deleted by rotation.
+    """
+
+    def __init__(self, root: Union[str, Path], prefix: str = TRAINER_PREFIX) -> None:
+        self.root = Path(root)
+        self.prefix = prefix
+
+    def __repr__(self) -> str:
+        return f"CheckpointSeries({str(self.root)!r}, {self.prefix!r})"
+
+    def path(self, number: int) -> Path:
+        """The directory of checkpoint ``number``."""
+        return self.root / f"{self.prefix}{number}"
+
+    def number(self, path: Union[str, Path]) -> Optional[int]:
+        """The number of a checkpoint directory of this series (None for any other name)."""
+        tail = Path(path).name[len(self.prefix):] if Path(path).name.startswith(self.prefix) else ""
+        return int(tail) if tail.isdigit() else None
+
+    def numbered(self) -> list[Path]:
+        """Every checkpoint directory of the series, complete or not, lowest number first."""
+        if not self.root.is_dir():
+            return []
+        found = [(n, p) for p in self.root.iterdir() if p.is_dir() and (n := self.number(p)) is not None]
+        return [p for _, p in sorted(found)]
+
+    def complete(self) -> list[Path]:
+        """The complete checkpoints, lowest number first."""
+        return [p for p in self.numbered() if is_complete(p)]
+
+    def latest(self) -> Optional[Path]:
+        """The complete checkpoint with the highest number: what a resume without a directory takes (None if none)."""
+        done = self.complete()
+        return done[-1] if done else None
+
+    def next_number(self) -> int:
+        """A number no directory of the series has yet (past incomplete ones too, so nothing is written over them)."""
+        found = [self.number(p) for p in self.numbered()]
+        return max(found) + 1 if found else 0
+
+    def to_rotate(self, keep: Optional[int], protect: Any = ()) -> list[Path]:
+        """The complete checkpoints to delete so that at most ``keep`` remain (none when ``keep`` is None or < 1).
+
+        Oldest first by the time their marker was written (as the Trainer orders by mtime: a run resumed from an
+        earlier step writes newer checkpoints with lower numbers), by number where those times are within a second
+        of each other (file systems with coarse or fake times). Never the newest complete one (what a resume needs)
+        nor any of ``protect`` (the best model's checkpoint), so ``keep`` grows to cover those; never an incomplete
+        directory.
+        """
+        if keep is None or keep < 1:
+            return []
+        done = self.complete()
+        if len(done) <= keep:
+            return []
+        times = [(self.root / p.name / COMPLETE_MARKER).stat().st_mtime for p in done]
+        if max(times) - min(times) >= 1.0:
+            done = [p for _, _, p in sorted(zip(times, (self.number(p) for p in done), done))]
+        kept = {done[-1].resolve(), *(Path(p).resolve() for p in protect if p)}
+        keep = max(keep, len([p for p in done if p.resolve() in kept]))
+        doomed, remaining = [], len(done)
+        for p in done:
+            if remaining <= keep:
+                break
+            if p.resolve() not in kept:
+                doomed.append(p)
+                remaining -= 1
+        return doomed
+
+    def rotate(self, keep: Optional[int], protect: Any = ()) -> list[Path]:
+        """Delete :meth:`to_rotate`'s checkpoints (call on the main process, once the newest is complete)."""
+        doomed = self.to_rotate(keep, protect)
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+        return doomed
+
+
+def latest_checkpoint(run_dir: Union[str, Path], prefix: str = TRAINER_PREFIX) -> Optional[Path]:
+    """The complete ``checkpoint-N`` of ``run_dir`` with the highest N (None if none): :meth:`CheckpointSeries.latest`."""
+    return CheckpointSeries(run_dir, prefix).latest()

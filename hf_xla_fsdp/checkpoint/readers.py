@@ -44,6 +44,24 @@ def clean_name(name: str) -> str:
     return name
 
 
+def buffer_dtypes(md: dict[str, Any]) -> dict[str, Any]:
+    """``shard_metadata["buffer_info"]`` keyed by state-dict key: buffer name -> the dtype it had before FSDP cast it.
+
+    torch_xla's ``get_shard_metadata()`` names buffers as ``named_buffers()`` does, with the flatten wrapper's
+    ``_fpw_module.`` that ``state_dict()`` leaves out, and lists non-persistent buffers (rotary ``inv_freq``), which no
+    state dict holds: files written that way (torch_xla's, and ours until the buffer_info fix) are read through this
+    mapping too.
+    """
+    return {name.replace("_fpw_module.", ""): info["_orig_dtype"] for name, info in md.get("buffer_info", {}).items()}
+
+
+def saved_buffer_info(md: dict[str, Any], state_keys: Any) -> dict[str, Any]:
+    """The ``buffer_info`` a rank file records: only the buffers its state dict holds (keys ``state_keys``), under their
+    state-dict keys (see :func:`buffer_dtypes`)."""
+    keys = set(state_keys)
+    return {name: {"_orig_dtype": dtype} for name, dtype in buffer_dtypes(md).items() if name in keys}
+
+
 def saved_layout(meta: Optional[dict[str, Any]]) -> str:
     """The tensor layout of a rank file from its metadata (files of older saves and torch_xla's are flat)."""
     return (meta or {}).get("engine", LAYOUT_FLAT)

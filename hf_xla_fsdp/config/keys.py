@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping, Union
+from typing import Any, Collection, Mapping, Union
 
 from ..errors import ConfigError
 from ..settings import parse_bool, parse_int
@@ -93,10 +93,12 @@ def _accelerate_key(key: str, value: Any, out: dict[str, Any], source: str) -> b
 
 
 def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], aliases: Mapping[str, str],
-              fsdp_kwargs: list[str]) -> dict[str, Any]:
+              fsdp_kwargs: list[str], one_process_engines: Collection[int] = ()) -> dict[str, Any]:
     """Map transformers/accelerate spellings onto the plugin's field names; reject anything unknown.
 
-    ``fields``, ``aliases`` (alias -> field) and ``fsdp_kwargs`` describe the plugin (see its field metadata).
+    ``fields``, ``aliases`` (alias -> field) and ``fsdp_kwargs`` describe the plugin (see its field metadata);
+    ``one_process_engines``: the ``version`` values whose engine drives every device from one process (what accelerate's
+    ``fsdp_version: 2`` plus ``distributed_type: NO`` can mean on XLA).
     """
     kwargs = fsdp_kwargs
     out: dict[str, Any] = {}
@@ -142,7 +144,7 @@ def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], ali
     elif policy == "transformer_based_wrap" and int(out.get("min_num_params") or 0) > 0:
         raise ConfigError(f"fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP in {source} conflicts with min_num_params > 0 "
                           "(size-based wrapping); keep one of them")
-    if out.pop("_torch_fsdp2", False) and int(out.get("version", 1)) != 2:
+    if out.pop("_torch_fsdp2", False) and int(out.get("version", 1)) not in one_process_engines:
         raise ConfigError(f"fsdp_version=2 in {source} selects torch's FSDP2 (fully_shard), which does not run on XLA; "
                           "remove it for XLA FSDP v1 (distributed_type: XLA), or set version: 2 with distributed_type: NO "
                           "for XLA FSDP v2 (SPMD)")

@@ -1,23 +1,23 @@
-"""Where a process's XLA FSDP settings come from when nobody hands them over: the accelerate YAML it was launched
-with, and the ``--fsdp_config`` of its command line (for ``HfArgumentParser`` scripts).
+"""Where a process's accelerate YAML is when nobody hands it over: under stock ``accelerate launch``.
 
-With ``distributed_type: XLA`` accelerate runs the script's ``main()`` through ``xmp.spawn`` and passes none of the
-YAML's ``fsdp_config:`` settings on, so :func:`find_accelerate_config` finds the YAML itself, in this order:
+``hf-xla-fsdp launch`` hands its settings to the script's processes explicitly (``HF_XLA_FSDP_LAUNCH``, see
+:mod:`.resolve`). Stock ``accelerate launch`` exports none of the YAML's ``fsdp_config:`` (nor its path) to the
+training process, so only there (``HF_XLA_FSDP=1`` through the start-up hook, or ``XlaFsdpAccelerator()`` without
+settings) is the YAML looked for, in this order:
 
 1. ``HF_XLA_FSDP_ACCELERATE_CONFIG`` (a path), when set;
 2. the ``--config_file`` of the ``accelerate launch`` command line that started this process or one of its
-   parents (read from the OS, so ``xmp.spawn`` workers and threads find it too);
+   parents (read from the OS, so ``xmp.spawn`` workers and threads find it too: nothing else names it there);
 3. accelerate's default config file, when it exists.
 
-These return paths and raw values; :class:`~hf_xla_fsdp.plugin.XlaFsdpPlugin` validates them.
+This returns a path; :mod:`.resolve` reads and checks what it holds.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 ENV_CONFIG = "HF_XLA_FSDP_ACCELERATE_CONFIG"
 
@@ -62,31 +62,12 @@ def find_accelerate_config() -> Optional[Path]:
     return Path(default_config_file) if Path(default_config_file).is_file() else None
 
 
-def fsdp_config_from_argv(argv: Optional[list[str]] = None) -> Any:
-    """The ``--fsdp_config`` value a ``HfArgumentParser`` script will read from ``argv`` (default ``sys.argv[1:]``).
+def launched_yaml() -> Path:
+    """:func:`find_accelerate_config`, or the one line saying how to give the settings when there is none."""
+    path = find_accelerate_config()
+    if path is None:
+        from ..errors import ConfigError
 
-    A path or a parsed inline JSON object; also the ``fsdp_config`` of a lone ``args.json`` / ``.yaml`` file
-    (``parser.parse_json_file``). ``None`` when there is none.
-    """
-    import sys
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    value: Any = None
-    for i, arg in enumerate(argv):
-        if arg in ("--fsdp_config", "--fsdp-config") and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(("--fsdp_config=", "--fsdp-config=")):
-            value = arg.split("=", 1)[1]
-    if (value is None and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")) and os.path.isfile(argv[0])
-            and os.path.getsize(argv[0]) < 1 << 20):  # an arguments file, not a data set
-        with open(argv[0], encoding="utf-8") as f:
-            if argv[0].endswith(".json"):
-                data = json.load(f)
-            else:
-                import yaml
-
-                data = yaml.safe_load(f)
-        value = data.get("fsdp_config") if isinstance(data, dict) else None
-    if isinstance(value, str) and value.lstrip().startswith("{"):
-        value = json.loads(value)
-    return value or None
+        raise ConfigError("no accelerate config found: run under `accelerate launch --config_file xla_fsdp.yaml`, set "
+                          f"{ENV_CONFIG}, or pass fsdp_plugin=XlaFsdpPlugin(...)")
+    return path

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..checkpoint.codec import CODEC_ATTR, RankState, Restored
 from ..errors import ConfigError
-from .base import Engine, in_evaluation_mode
+from .base import Engine, PlannedUnit, in_evaluation_mode
 from .v1 import XlaFsdpV1
 from .v2 import XlaFsdpV2
 
@@ -86,5 +86,5 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["ENGINES", "Engine", "RankState", "Restored", "engine_for", "engine_of", "fsdp_units", "in_evaluation_mode",
-           "is_wrapped", "unit_classes", "unwrap"]
+__all__ = ["ENGINES", "Engine", "PlannedUnit", "RankState", "Restored", "engine_for", "engine_of", "fsdp_units",
+           "in_evaluation_mode", "is_wrapped", "unit_classes", "unwrap"]

@@ -8,6 +8,7 @@ tests which engine runs. torch_xla is imported inside methods only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -18,7 +19,19 @@ from ..checkpoint.codec import Collectives, RankState, Restored, tag
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
-__all__ = ["EVALUATION_ATTR", "Engine", "RankState", "Restored", "host_copies", "host_copy", "in_evaluation_mode"]
+__all__ = ["EVALUATION_ATTR", "Engine", "PlannedUnit", "RankState", "Restored", "host_copies", "host_copy",
+           "in_evaluation_mode"]
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """One FSDP unit of a meta skeleton, as the planner sees it: its parameters' ``(numel, shape)`` and names (relative
+    to the unit, in the same order), each parameter counted in the innermost unit that holds it."""
+
+    name: str
+    params: tuple[tuple[int, tuple[int, ...]], ...]
+    names: tuple[str, ...]
+
 
 #: set on every unit of a model wrapped in evaluation mode (inference only: frozen, never given to an optimizer)
 EVALUATION_ATTR = "_hf_xla_fsdp_evaluation_mode"
@@ -98,6 +111,44 @@ class Engine:
     def runtime_too_late(self, what: str) -> str:
         """The one line a script needs when :meth:`runtime_ready` is False (``what`` used the device first)."""
         return f"{what} started the XLA runtime before {self.title} could set it up"
+
+    def processes_per_host(self, requested: Any) -> Optional[int]:
+        """How many processes a launcher starts on a host (one per device, with xmp.spawn), ``requested`` being what
+        the user asked for; ``None`` (nothing asked): the launcher's own process runs the script."""
+        if requested is None:
+            return None
+        from ..settings import parse_int
+
+        return parse_int(requested, "num_processes", 1)
+
+    # ----------------------------------------------------------------- planning (nothing is built: the planner asks)
+    def plan_shards(self, units: Sequence[PlannedUnit], config: Any, devices: int, plugin: "XlaFsdpPlugin",
+                    ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
+        """What one device holds, by this engine's own sharding rules, when ``units`` (the FSDP units of a meta
+        skeleton) are sharded over ``devices``: per unit, the shapes of the pieces one device keeps (one per
+        parameter, or one for a flattened unit) and the elements it holds while that unit is all-gathered (what the
+        planner calls exact). ``config`` is the model's (tensor-parallel plans follow its family)."""
+        raise NotImplementedError(f"{self.title}: the planner knows no sharding rule of this engine")
+
+    def plan_mesh(self, plugin: "XlaFsdpPlugin", devices: int) -> Optional[dict[str, int]]:
+        """The device mesh's axis sizes over ``devices`` (``None``: the engine has no mesh)."""
+        return None
+
+    def devices_per_sample(self, plugin: "XlaFsdpPlugin") -> int:
+        """Devices that share each sample (tensor parallelism splits activations over them); 1 for plain FSDP."""
+        return 1
+
+    def splits_tensors(self) -> bool:
+        """The engine can split weights inside blocks over a tensor axis (``tensor_parallel_size``)."""
+        return False
+
+    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+        """The root unit's parameters stay gathered for the whole step (not re-sharded after forward)."""
+        return False
+
+    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+        """A lower ``compute_dtype`` shrinks what a step holds without adding copies (the planner may suggest it)."""
+        return False
 
     # ----------------------------------------------------------------- wrapping
     def unit_class(self) -> type:

@@ -27,6 +27,7 @@ from ..checkpoint.readers import (
     open_checkpoint,
     open_own,
     same_parameters,
+    saved_buffer_info,
     shard_structure,
 )
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
@@ -37,6 +38,21 @@ if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
 
+#: XlaFullyShardedDataParallel pads every flattened shard to a multiple of this many elements (its default
+#: ``shard_size_multiple``; 1 with ``shard_param_on_dim_0``)
+SHARD_SIZE_MULTIPLE = 128
+
+
+def shard_numel(numel: int, world: int, multiple: int) -> int:
+    """Elements of one rank's shard of a flattened tensor of ``numel`` elements: padded to ``world * multiple``."""
+    return -(-numel // (world * multiple)) * multiple
+
+
+def shard_rows(rows: int, world: int) -> int:
+    """Rows of one rank's shard with ``shard_param_on_dim_0``: dim 0 padded to a multiple of ``world``."""
+    return -(-rows // world)
+
+
 def host_shard(full: torch.Tensor, world: int, rank: int, multiple: int, on_dim0: bool) -> torch.Tensor:
     """Rank ``rank``'s shard of the host tensor ``full``, the same bytes as ``XlaFullyShardedDataParallel._get_shard``.
 
@@ -45,12 +61,12 @@ def host_shard(full: torch.Tensor, world: int, rank: int, multiple: int, on_dim0
     appended, so no full-size copy is made.
     """
     if on_dim0:
-        rows = -(-full.shape[0] // world) if full.dim() else 0
+        rows = shard_rows(full.shape[0], world) if full.dim() else 0
         part = full[rank * rows:(rank + 1) * rows]
         missing, pad_shape = rows - part.shape[0], (rows - part.shape[0], *full.shape[1:])
     else:
         flat = full.reshape(-1)
-        local = -(-flat.numel() // (world * multiple)) * multiple
+        local = shard_numel(flat.numel(), world, multiple)
         part = flat[rank * local:(rank + 1) * local]
         missing, pad_shape = local - part.numel(), (local - part.numel(),)
     if missing:
@@ -80,6 +96,19 @@ def host_sharding_unit_class() -> type:
 
     class HostShardingXlaFsdp(XlaFullyShardedDataParallel):
         """FSDP v1 unit whose construction never copies a whole host parameter to the device."""
+
+        @torch.no_grad()
+        def _cast_buffers(self, dtype: Optional[torch.dtype] = None, memo: Optional[set] = None) -> None:
+            # the stock method marks a buffer it casts with _orig_dtype, then moves it to the device with .to(), which
+            # drops the mark for a host buffer: the metadata's buffer_info (consolidation casts buffers back with it)
+            # would then depend on where the model was when it was wrapped
+            before = [(m, n, b.dtype) for m in self.modules() for n, b in m.named_buffers(recurse=False)
+                      if b is not None and torch.is_floating_point(b) and not hasattr(b, "_orig_dtype")]
+            super()._cast_buffers(dtype, memo)
+            for m, n, orig in before:
+                buf = m._buffers.get(n)
+                if buf is not None and buf.dtype != orig and not hasattr(buf, "_orig_dtype"):
+                    buf._orig_dtype = orig
 
         @torch.no_grad()
         def _shard_parameters_(self, params_to_shard: list[nn.Parameter]) -> None:
@@ -223,6 +252,30 @@ class XlaFsdpV1(Engine):
     def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
         return self.construction_class()(block, **plugin.fsdp_kwargs())
 
+    def plan_shards(self, units: Any, config: Any, devices: int, plugin: "XlaFsdpPlugin",
+                    ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
+        # the rule host_shard cuts by (FSDP's _shard_parameters_ / _flatten_and_pad_to_world_size): a parameter, or
+        # with flatten_parameters a unit's parameters concatenated, flattened and padded; with shard_param_on_dim_0
+        # only dim 0 is padded and the shard keeps the other dimensions
+        multiple = 1 if plugin.shard_param_on_dim_0 else SHARD_SIZE_MULTIPLE
+        shards: list[list[tuple[int, ...]]] = []
+        for unit in units:
+            if plugin.flatten_parameters:
+                total = sum(n for n, _ in unit.params)
+                shards.append([(shard_numel(total, devices, multiple),)] if total else [])
+            elif plugin.shard_param_on_dim_0:
+                shards.append([(shard_rows(shape[0], devices), *shape[1:]) for _, shape in unit.params])
+            else:
+                shards.append([(shard_numel(n, devices, multiple),) for n, _ in unit.params])
+        # the all-gather's output: every rank's padded shard
+        return shards, [devices * sum(math.prod(s) for s in unit) for unit in shards]
+
+    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+        return plugin.disable_reshard_on_root
+
+    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+        return True  # shards stay fp32; gathered units and activations take the compute dtype
+
     def store_for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> None:
         # units shard fp32 parameters only, but all-gather each shard cast to compute_dtype; a frozen shard stored
         # in that dtype is gathered unchanged (and takes half the device memory in bf16)
@@ -284,14 +337,19 @@ class XlaFsdpV1(Engine):
     # ----------------------------------------------------------------- checkpoints
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
         """The rank's state dict (flat shards) and optimizer state, one tensor at a time from the device."""
-        tensors: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
+        state = model.state_dict()
+        tensors: dict[str, torch.Tensor] = {MODEL_PREFIX + k: v for k, v in state.items()}
+        md = model.get_shard_metadata()
+        # torch_xla lists every cast buffer under its named_buffers() name, non-persistent ones too (rotary inv_freq):
+        # the file records those it holds, under their state-dict keys
+        md["buffer_info"] = saved_buffer_info(md, state)
         optim = None
         if optimizer is not None:
             optim, optim_tensors = optimizer_meta(model, optimizer, self.checkpoint_name)
             tensors.update(optim_tensors)
         specs = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
         return RankState(specs, lambda name: host_copy(tensors[name]),
-                         {"shard_metadata": encode_shard_metadata(model.get_shard_metadata()), "optimizer": optim},
+                         {"shard_metadata": encode_shard_metadata(md), "optimizer": optim},
                          produce_many=lambda names: host_copies([tensors[n] for n in names]))
 
     def restore(self, ckpt_dir: Path, marker: dict[str, Any], model: nn.Module,

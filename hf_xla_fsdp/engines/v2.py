@@ -78,11 +78,12 @@ def spmd_class() -> type:
     return SpmdFullyShardedDataParallel
 
 
-def mesh_layout(devices: int, replicas: int, tensor: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mesh_layout(devices: int, replicas: int, tensor: int = 1, noun: str = "devices",
+                ) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Shape and axis names of the mesh over ``devices``: ``(replica, fsdp)``, plus ``tensor`` when ``tensor`` > 1."""
     if devices % (replicas * tensor):
         what = f"replica_size={replicas}" + (f" x tensor_parallel_size={tensor} = {replicas * tensor}" if tensor > 1 else "")
-        raise ConfigError(f"{what} does not divide the {devices} devices; choose sizes whose product divides {devices}")
+        raise ConfigError(f"{what} does not divide the {devices} {noun}; choose sizes whose product divides {devices}")
     shape: tuple[int, ...] = (replicas, devices // (replicas * tensor))
     axes: tuple[str, ...] = (REPLICA_AXIS, FSDP_AXIS)
     if tensor > 1:
@@ -91,7 +92,8 @@ def mesh_layout(devices: int, replicas: int, tensor: int = 1) -> tuple[tuple[int
 
 
 def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
-    """The device mesh over every device, made once per process and set as the global mesh.
+    """The device mesh over every device, made once per process and set as the global mesh (with
+    ``tensor_parallel_size: auto``, the mesh the model was built on).
 
     ``(replica, fsdp)``; with ``tensor_parallel_size`` T > 1, ``(replica, fsdp, tensor)``, the tensor axis innermost
     so that each tensor-parallel group is neighbouring devices (the closest chips on a TPU slice).
@@ -100,9 +102,11 @@ def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
     import torch_xla.distributed.spmd as xs
 
     enable_spmd()
-    if plugin.tensor_parallel_size == "auto":
-        raise ConfigError("tensor_parallel_size=auto is chosen when the model is built: build or wrap the model with "
-                          "this plugin before asking for its mesh")
+    if plugin.tensor_parallel_size == "auto":  # the session chose the size (its own copy of the plugin) and set it
+        if xs.get_global_mesh() is None:
+            raise ConfigError("tensor_parallel_size=auto is chosen when the model is built: build or wrap the model "
+                              "with this plugin before asking for its mesh")
+        return xs.get_global_mesh()
     devices = device_count()
     shape, axes = mesh_layout(devices, plugin.replica_size, plugin.tensor_parallel_size)
     mesh = xs.get_global_mesh()
@@ -307,6 +311,57 @@ class XlaFsdpV2(Engine):
 
     def runtime_too_late(self, what: str) -> str:
         return SPMD_TOO_LATE.format(what=what)
+
+    def plan_shards(self, units: Any, config: Any, devices: int, plugin: "XlaFsdpPlugin",
+                    ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
+        # the rules of the wrap (make_unit / tensor_parallel, modeling.tensor_parallel.apply_plan); XLA pads an uneven
+        # split, so every device allocates ceil(dim / split) of each split dim
+        from ..modeling.tensor_parallel import resolve_plan
+
+        tensor = plugin.tensor_parallel_size
+        shape_of, _ = mesh_layout(devices, plugin.replica_size, tensor, noun="chips")  # the planner's devices
+        sizes = {REPLICA_AXIS: plugin.replica_size, FSDP_AXIS: shape_of[1], TENSOR_AXIS: tensor}
+        plan = resolve_plan(config, tensor, plugin.tensor_parallel_plan) if tensor > 1 else None
+        shards: list[list[tuple[int, ...]]] = []
+        gathered: list[int] = []
+        for unit in units:
+            pieces, held = [], 0
+            for (numel, shape), name in zip(unit.params, unit.names):
+                axes = plan.axes_for(name) if plan is not None else None
+                if axes is None or len(axes) != len(shape):
+                    # not planned: dim 0 over fsdp; with a tensor axis the largest dim over fsdp x tensor (1-D ones
+                    # over fsdp only), as the wrap does
+                    axes = [None] * len(shape)
+                    if shape and plan is None:
+                        axes[0] = FSDP_AXIS
+                    elif shape:
+                        axes[list(shape).index(max(shape))] = (FSDP_AXIS, TENSOR_AXIS) if len(shape) > 1 else FSDP_AXIS
+                    held += numel
+                else:  # a planned weight stays split over the tensor axis while its unit is gathered over fsdp
+                    split = any(a == TENSOR_AXIS or (isinstance(a, tuple) and TENSOR_AXIS in a) for a in axes)
+                    held += numel // tensor if split else numel
+                pieces.append(tuple(math.ceil(d / math.prod(sizes[a] for a in ((ax,) if isinstance(ax, str) else ax or ())))
+                                    for d, ax in zip(shape, axes)))
+            shards.append(pieces)
+            gathered.append(held)
+        return shards, gathered
+
+    def plan_mesh(self, plugin: "XlaFsdpPlugin", devices: int) -> Optional[dict[str, int]]:
+        tensor = plugin.tensor_parallel_size
+        return {REPLICA_AXIS: plugin.replica_size, FSDP_AXIS: devices // (plugin.replica_size * tensor),
+                TENSOR_AXIS: tensor}
+
+    def devices_per_sample(self, plugin: "XlaFsdpPlugin") -> int:
+        return plugin.tensor_parallel_size
+
+    def splits_tensors(self) -> bool:
+        return True
+
+    def processes_per_host(self, requested: Any) -> Optional[int]:
+        if requested not in (None, 1, "1"):
+            raise ConfigError(f"num_processes={requested}: FSDP v2 (SPMD) drives every device of a host from one "
+                              "process; drop num_processes (or set it to 1)")
+        return None
 
     def unit_class(self) -> type:
         return spmd_class()

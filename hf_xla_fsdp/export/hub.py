@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 from ..checkpoint.consolidate import TRAINING_INFO, consolidate
 from ..checkpoint.layout import check_output, prepare_output, publish
 from ..checkpoint.safetensors_io import SafetensorsReader
+from ..config.engines import ENGINE_NAMES, ENGINE_TITLES
 from ..errors import ConfigError, PushError
 
 __all__ = ["PushError", "count_parameters", "export", "push_folder", "render_card", "template_text"]
@@ -33,9 +34,9 @@ def template_text() -> str:
     return files("hf_xla_fsdp").joinpath("templates", "model_card.md").read_text(encoding="utf-8")
 
 
-# training records name the engine; the titles match hf_xla_fsdp.engines (not imported: no XLA runtime here)
-_ENGINE_TITLES = {"xla_fsdp_v1": "FSDP v1 (XlaFullyShardedDataParallel)",
-                  "xla_fsdp_v2": "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"}
+# training records name the engine; its title comes from the table of engines (config/engines.py) (the engines themselves are
+# not imported here: no XLA runtime)
+_ENGINE_TITLES = {ENGINE_NAMES[version]: title for version, title in ENGINE_TITLES.items()}
 
 
 def _is_consolidated(path: Path) -> bool:

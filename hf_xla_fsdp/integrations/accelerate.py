@@ -1,28 +1,19 @@
-"""XLA FSDP through ``accelerate launch --config_file xla_fsdp.yaml``: :class:`XlaFsdpAccelerator`.
+"""XLA FSDP through accelerate: :class:`XlaFsdpAccelerator`, an ``Accelerator`` whose models are XLA FSDP models,
+so a script written for ``Accelerator`` runs with one swapped import (settings: :mod:`hf_xla_fsdp.config.accelerate_args`).
 
-An ``accelerate.Accelerator`` whose models are XLA FSDP models configured by the accelerate YAML (found as
-:mod:`hf_xla_fsdp.config.sources` says), so a script written for ``Accelerator`` runs with one swapped import.
-The work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`); this class maps accelerate's API onto it:
-
-* ``prepare`` wraps the model (or keeps a model already built with :meth:`build_model`); an optimizer built before
-  ``prepare`` on the unwrapped model's parameters (any groups) is re-pointed at the sharded parameters;
-* gradients are never all-reduced again after FSDP's reduce-scatter (``optimizer.step()`` stays a plain step) and
-  ``clip_grad_norm_``'s norm spans every rank's shards;
-* ``save_state``/``load_state`` write and read sharded rank checkpoints (automatic naming and rotation of
-  ``ProjectConfiguration``, registered objects included); ``accelerator.preempted`` turns True once SIGTERM has
-  arrived; ``get_state_dict``, ``unwrap_model(model).save_pretrained(...)`` and ``save_model`` give full weights;
-* ``gather_for_metrics(..., use_gather_object=True)`` and ``accelerate.utils.gather_object`` gather picklable objects
-  (upstream raises ``NotImplementedError`` on XLA): see :func:`gather_object`.
+The work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`): ``prepare`` wraps models and re-points
+optimizers built before it; gradients are never all-reduced again after FSDP's reduce-scatter and clipping spans every
+shard; ``save_state`` / ``load_state`` write and read sharded rank checkpoints; ``get_state_dict``,
+``unwrap_model(model).save_pretrained`` and ``save_model`` give full weights; ``gather_object`` works on XLA
+(:func:`hf_xla_fsdp.runtime.all_gather_objects`). docs/accelerate.md has the details.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import io
 import logging
 import os
-import pickle
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -30,12 +21,14 @@ import torch
 from accelerate import Accelerator
 
 from .. import runtime, upstream
+from ..checkpoint.layout import ACCELERATE_PREFIX
+from ..config.accelerate_args import accelerator_settings
 from ..engines import is_wrapped, unit_classes
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
 from ..session import AsyncMode, XlaFsdpSession
 from ..session import optimizers as opt
-from . import startup
+from . import patches
 
 upstream.require("accelerate")  # the Accelerator internals overridden below (see hf_xla_fsdp.upstream)
 logger = logging.getLogger(__name__)
@@ -47,64 +40,20 @@ def _ties_kept(*args: Any, **kwargs: Any) -> None:
     """``tie_weights`` of a sharded model: its ties are kept by FSDP already."""
 
 
-def _to_xla_device(tensor: torch.Tensor) -> torch.Tensor:
-    """A gathered tensor that was on an XLA device goes to this process's XLA device (as CUDA tensors do in
-    torch.distributed's ``all_gather_object``)."""
-    return tensor.to(runtime.xla_device())
-
-
-class _ObjectPickler(pickle.Pickler):
-    """Pickles XLA tensors through a host copy (plain pickling goes through numpy, which has no bfloat16)."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.device.type == "xla":
-            return _to_xla_device, (obj.detach().cpu(),)
-        return NotImplemented
-
-
-def gather_object(obj: Any) -> list[Any]:
-    """Every process's picklable ``obj``, gathered on every process in process order: accelerate's ``gather_object``
-    on XLA.
-
-    As accelerate does for byte-padded gathers: a list contributes its items, anything else (dict, tensor, string,
-    number, tuple) one item, so one process gives ``obj`` itself for a list and ``[obj]`` otherwise. XLA tensors come
-    back on this process's XLA device, CPU tensors on the CPU. Every process must call it (on the training thread):
-    the pickled bytes go through :func:`hf_xla_fsdp.runtime.all_gather_bytes`.
-    """
-    buffer = io.BytesIO()
-    _ObjectPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    gathered: list[Any] = []
-    for payload in runtime.all_gather_bytes(buffer.getvalue(), tag="gather_object"):
-        # our own processes' pickles, as torch.distributed.all_gather_object unpickles them
-        part = pickle.loads(payload)  # noqa: S301
-        if isinstance(part, list):
-            gathered.extend(part)
-        else:
-            gathered.append(part)
-    return gathered
-
-
 class XlaFsdpAccelerator(Accelerator):
     """An ``Accelerator`` whose models are XLA FSDP models configured by the accelerate YAML."""
 
     def __init__(self, *args: Any, fsdp_plugin: Optional[XlaFsdpPlugin] = None,
                  session: Optional[XlaFsdpSession] = None, **kwargs: Any) -> None:
         own = session is None
-        if own:
-            # settings first: a bad fsdp_config must fail before anything else starts
-            plugin = fsdp_plugin or XlaFsdpPlugin.from_accelerate_launch()
-            # mixed precision is the engine's compute dtype; accelerate's autocast stays off (it breaks SDPA on XLA)
-            precision = kwargs.get("mixed_precision")
-            source = f"Accelerator(mixed_precision={precision!r})"
-            if precision is None:
-                precision = os.environ.get("ACCELERATE_MIXED_PRECISION")
-                source = f"ACCELERATE_MIXED_PRECISION={precision}"
-            session = XlaFsdpSession(plugin.with_mixed_precision(precision, source))
+        if own:  # settings first: a bad fsdp_config must fail before anything else starts
+            session = XlaFsdpSession(accelerator_settings(fsdp_plugin, kwargs.get("mixed_precision")))
+        # mixed precision is the engine's compute dtype; accelerate's autocast stays off (it breaks SDPA on XLA)
         kwargs["mixed_precision"] = "no"
         session.setup_runtime()  # before accelerate's state looks at the devices (FSDP v2: one process, every device)
         super().__init__(*args, **kwargs)
-        startup.patch_gather_object(gather_object)  # upstream raises NotImplementedError on XLA
-        startup.patch_extract_model()  # accelerate's is_peft_model (TRL's LoRA reference) sees through our units
+        patches.patch_gather_object(runtime.all_gather_objects)  # upstream raises NotImplementedError on XLA
+        patches.patch_extract_model()  # accelerate's is_peft_model (TRL's LoRA reference) sees through our units
         self.xla_fsdp_session = session
         session.checkpoints.barrier = lambda tag: self.wait_for_everyone()
         if own:  # a Trainer's session has its progress setting already
@@ -146,15 +95,7 @@ class XlaFsdpAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """accelerate's ``prepare``; afterwards every prepared optimizer must hold only prepared models' parameters."""
         result = super().prepare(*args, device_placement=device_placement)
-        if self._models:
-            sharded = opt.updated_parameter_ids(self._models)
-            for optimizer in self._optimizers:
-                opt.check_optimizer_parameters(opt.repoint_optimizer(optimizer.optimizer, self._moved_params, sharded))
-            for model in self._models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
-                for optimizer in self._optimizers:
-                    self.xla_fsdp_session.engine.prepare_optimizer(model, optimizer.optimizer)
-            for optimizer in self._optimizers:  # after every model's, so the state is made for what is updated
-                self.xla_fsdp_session.create_optimizer_state(optimizer.optimizer)
+        self.xla_fsdp_session.ready_optimizers(self._models, [o.optimizer for o in self._optimizers], self._moved_params)
         return result
 
     def _get_named_parameters(self, *args: Any, drop_refs: bool = False) -> dict[str, Any]:
@@ -243,6 +184,9 @@ class XlaFsdpAccelerator(Accelerator):
         return self._schedulers[0].scheduler if self._schedulers else None
 
     def _checkpoints_dir(self) -> Path:
+        if self.project_dir is None:  # accelerate names automatic checkpoints under project_dir only
+            raise ConfigError("automatic checkpoint naming needs a project directory: "
+                              "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
         return Path(self.project_dir) / "checkpoints"
 
     def save_state(self, output_dir: Union[str, os.PathLike, None] = None, safe_serialization: bool = True, *,
@@ -256,10 +200,13 @@ class XlaFsdpAccelerator(Accelerator):
         checkpoints = self.xla_fsdp_session.checkpoints
         checkpoints.wait()  # the previous save is published (and rotated) before this one is named
         config = self.project_configuration
+        # naming, latest, rotation: only automatic naming has a series (an explicit output_dir stands alone)
+        series = (checkpoints.series(self._checkpoints_dir(), ACCELERATE_PREFIX)
+                  if config.automatic_checkpoint_naming else None)
         if output_dir is None:
-            if not config.automatic_checkpoint_naming:
+            if series is None:
                 raise ConfigError("save_state needs an output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True)")
-            output_dir = self._checkpoints_dir() / f"checkpoint_{self.save_iteration}"
+            output_dir = series.path(self.save_iteration)
             if output_dir.exists():
                 raise ConfigError(f"checkpoint directory {output_dir} already exists; set accelerator.project_configuration"
                                   ".iteration to the iteration to continue from")
@@ -277,8 +224,8 @@ class XlaFsdpAccelerator(Accelerator):
                 logger.warning("SIGTERM received: saved checkpoint %s at step %s; stop now and resume with "
                                "accelerator.load_state(%s)", path, step,
                                "" if config.automatic_checkpoint_naming else f"'{path}'")
-            if config.automatic_checkpoint_naming and config.total_limit is not None and self.is_main_process:
-                checkpoints.rotate(self._checkpoints_dir(), "checkpoint_", config.total_limit)
+            if series is not None and config.total_limit is not None and self.is_main_process:
+                series.rotate(config.total_limit)
 
         # SIGTERM: this save is the last one, so it is written before save_state returns
         checkpoints.save(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(), step=step, extra=extra,
@@ -298,11 +245,11 @@ class XlaFsdpAccelerator(Accelerator):
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ConfigError("load_state needs the checkpoint directory to resume from (or automatic checkpoint naming)")
-            found = checkpoints.numbered(self._checkpoints_dir(), "checkpoint_")
-            if not found:
-                raise ConfigError(f"no checkpoint_<i> directory under {self._checkpoints_dir()} to resume from")
-            input_dir = found[-1]
-            self.project_configuration.iteration = int(found[-1].name.rsplit("_", 1)[1]) + 1
+            series = checkpoints.series(self._checkpoints_dir(), ACCELERATE_PREFIX)
+            input_dir = series.latest()  # the highest complete one: a save killed midway is skipped
+            if input_dir is None:
+                raise ConfigError(f"no complete checkpoint_<i> directory under {self._checkpoints_dir()} to resume from")
+            self.project_configuration.iteration = series.next_number()  # never over an incomplete directory
         input_dir = Path(input_dir)
         info = checkpoints.load(input_dir, self._fsdp_model(), self._optimizer(), self._scheduler())
         for index, obj in enumerate(self._custom_objects):

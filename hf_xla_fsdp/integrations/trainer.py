@@ -1,20 +1,11 @@
-"""XLA FSDP through transformers' ``Trainer`` flags: ``--fsdp --fsdp_config cfg.json``.
+"""XLA FSDP through transformers' ``Trainer``: :class:`XlaFsdpTrainerMixin` (put first in any Trainer subclass's
+bases, or :func:`xla_fsdp_trainer`) and :class:`XlaFsdpTrainer`.
 
-:class:`XlaFsdpTrainer` is a drop-in ``transformers.Trainer`` that reads the same ``TrainingArguments`` (an
-existing transformers XLA ``fsdp_config`` JSON works unchanged, and every plugin setting is accepted too). The
-work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`, shared with its
-:class:`~hf_xla_fsdp.integrations.accelerate.XlaFsdpAccelerator`); this class maps the Trainer onto it:
-
-* the model may be given as a config, a ``config.json`` or a local model directory, and is then built on
-  ``meta`` and materialized, wrapped and sharded block by block; an ``nn.Module`` is wrapped once;
-* ``save_steps`` write sharded rank checkpoints (model shard, optimizer, scheduler, RNG, plus
-  ``trainer_state.json``), published atomically; ``resume_from_checkpoint`` reads only this rank's file;
-* the final ``save_model`` streams the shards into a ``from_pretrained``-ready safetensors model in
-  ``output_dir``, tokenizer and training record included;
-* gradients are not all-reduced again after FSDP's reduce-scatter and clipping takes the norm over every shard.
-
-The private ``Trainer`` methods it overrides are listed, with the signatures relied on, in
-:mod:`hf_xla_fsdp.upstream`.
+The same ``TrainingArguments`` (``--fsdp --fsdp_config``: transformers' XLA keys or any plugin setting) drive it; the
+work is its session's (:class:`~hf_xla_fsdp.session.XlaFsdpSession`, shared with its ``XlaFsdpAccelerator``): a model
+given as a config, directory or Hub id (or loaded lazily by the launch) is built block by block; ``save_steps`` write
+sharded rank checkpoints that resume on any world size; ``save_model`` streams a ``from_pretrained``-ready model. The
+private ``Trainer`` methods it overrides are listed in :mod:`hf_xla_fsdp.upstream` (docs/trainer.md has the rest).
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ import functools
 import inspect
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -34,19 +24,18 @@ from torch import nn
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
 from .. import upstream
-from ..config.training_args import adjust_for_xla, plugin_from_training_args
+from ..config.training_args import trainer_settings
 from ..engines import is_wrapped
 from ..errors import ConfigError
+from ..modeling.lazy import lazy_state
 from ..plugin import XlaFsdpPlugin
+from ..process import process_state
 from ..session import PreemptionGuard, XlaFsdpSession
-from . import startup
-from .trl_hooks import PathModel, TrlModelHooks, is_trl_trainer, precision_for, reference_model
+from . import patches
+from .trl_hooks import PathModel, TrlModelHooks, is_trl_trainer, model_init_sources, reference_model
 
 upstream.require("trainer")  # the Trainer internals overridden below are there, as this module expects them
 logger = logging.getLogger(__name__)
-
-# transformers' own decay rule (Trainer.get_decay_parameter_names), applied to the original names
-_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
 
 
 class PreemptionCallback(TrainerCallback):
@@ -77,8 +66,9 @@ class XlaFsdpTrainerMixin:
     path / local model directory, which is built on meta block by block when the fsdp_config's
     ``meta_init`` is true (the default). The outer FSDP unit is added only after the subclass's own
     ``__init__`` has finished, so whatever it does to the model (attach adapters, patch its forward,
-    as TRL's fused LM head does) happens inside the unit. ``fsdp_plugin`` overrides the settings read
-    from ``args.fsdp_config``.
+    as TRL's fused LM head does) happens inside the unit. The settings are resolved by the one conflict rule
+    (:mod:`hf_xla_fsdp.config.resolve`) from ``fsdp_plugin``, ``args`` (``fsdp_config``, ``bf16``/``fp16``,
+    ``gradient_checkpointing``) and, in a launched script, the launch's settings.
     """
 
     def __init__(self, *args: Any, fsdp_plugin: Optional[XlaFsdpPlugin] = None, **kwargs: Any) -> None:
@@ -91,33 +81,31 @@ class XlaFsdpTrainerMixin:
         if training_args is None:
             raise ConfigError(f"{type(self).__name__} needs TrainingArguments (or a TRL config) with --fsdp and "
                               "--fsdp_config (\"xla\": true)")
-        plugin = adjust_for_xla(fsdp_plugin, training_args) if fsdp_plugin is not None \
-            else plugin_from_training_args(training_args)
         trl = is_trl_trainer(type(self))
         by_path = model is not None and not isinstance(model, nn.Module)
-        if trl and by_path:
-            plugin = precision_for(plugin, training_args)  # TRL's model_init_kwargs dtype
-        self.xla_fsdp_session = XlaFsdpSession(plugin)
+        # TRL's model_init_kwargs dtype is one more settings source when TRL builds the policy (by the one rule)
+        extra = model_init_sources(training_args) if trl and by_path else []
+        self.xla_fsdp_session = XlaFsdpSession(trainer_settings(training_args, fsdp_plugin, extra))
         self.xla_fsdp_session.checkpoints.progress = not training_args.disable_tqdm
         self.xla_fsdp_session.step_source = lambda: self.state.global_step  # named when a new graph compiles late
         self.xla_fsdp_session.setup_runtime(
             counted_processes=training_args.world_size,
             what=f"TrainingArguments (accelerate's PartialState, {training_args.world_size} process(es) counted)")
-        hooks = None
-        if trl:  # TRL builds its models itself: through the session (see trl_hooks), policy from the path it is given
-            if by_path:
-                self._check_model_source(model)
-                params["model"] = PathModel(model)
-            hooks = TrlModelHooks(self.xla_fsdp_session, params["model"] if by_path else None,
-                                  params.get("peft_config") if by_path else None, seed=training_args.seed,
-                                  progress=training_args.should_log)
-        elif model is not None and params.get("peft_config") is not None and by_path:
-            # a subclass's peft_config with a model path: adapters attached on meta, the base read block by block (never
-            # whole on the host); the subclass then receives a PeftModel and attaches nothing itself
+        if trl and by_path:  # TRL builds the policy from the path (TrlModelHooks.create_model_from_path, on meta)
+            self._check_model_source(model)
+            params["model"] = PathModel(model)
+        elif model is not None and params.get("peft_config") is not None and (
+                by_path or lazy_state(model) is not None):
+            # a peft_config with a model path (or a model loaded lazily): adapters attached on meta, the base read block
+            # by block (never whole on the host); the subclass then receives a PeftModel and attaches nothing itself
             params["model"] = self._materialize(model, training_args, wrap_root=False, peft_config=params["peft_config"])
             params["peft_config"] = None
         elif model is not None:
             params["model"] = self._materialize(model, training_args, wrap_root=False)
+        # the other models a TRL trainer builds by path (reference, reward models) are built by the session too
+        hooks = TrlModelHooks(self.xla_fsdp_session, params["model"] if trl and by_path else None,
+                              params.get("peft_config") if trl and by_path else None, seed=training_args.seed,
+                              progress=training_args.should_log) if trl else None
         with hooks.installed(type(self)) if hooks is not None else contextlib.nullcontext():
             if hooks is not None and "ref_model" in bound.signature.parameters and by_path:
                 params["ref_model"] = reference_model(hooks, params.get("ref_model"), training_args)
@@ -144,12 +132,12 @@ class XlaFsdpTrainerMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; with ``save_on_preemption`` (and checkpoints on), SIGTERM saves ``checkpoint-N`` at the
         next step boundary, stops training, logs where it saved and exits the process with code 0."""
-        from ..checkpoint.layout import latest_checkpoint
+        from ..checkpoint.layout import TRAINER_PREFIX
 
         session = self.xla_fsdp_session
         if kwargs.get("resume_from_checkpoint") is True or (args and args[0] is True):
             # transformers picks the highest checkpoint-N; only a marked one is complete (object storage writes in place)
-            latest = latest_checkpoint(self.args.output_dir)
+            latest = session.checkpoints.series(self.args.output_dir, TRAINER_PREFIX).latest()
             if latest is not None:
                 kwargs["resume_from_checkpoint"], args = str(latest), args[1:]
         save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
@@ -210,18 +198,19 @@ class XlaFsdpTrainerMixin:
     # ----------------------------------------------------------------- the model
     @staticmethod
     def _check_model_source(model: Any) -> None:
-        if not isinstance(model, (PretrainedConfig, str, os.PathLike)):
-            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json or a local model "
-                              f"directory, not {type(model).__name__}")
+        if not isinstance(model, (nn.Module, PretrainedConfig, str, os.PathLike)):
+            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json, a local model directory "
+                              f"or a Hub id in the local cache, not {type(model).__name__}")
 
     def _materialize(self, model: Any, args: TrainingArguments, wrap_root: bool = True, peft_config: Any = None,
                      ) -> nn.Module:
         from transformers import set_seed
 
-        if isinstance(model, nn.Module):
+        if isinstance(model, nn.Module) and lazy_state(model) is None:
             return model if is_wrapped(model) or not wrap_root else self.xla_fsdp_session.wrap_model(model)
         self._check_model_source(model)
-        set_seed(args.seed)  # the same initial weights as building the model after set_seed in run_clm
+        if not isinstance(model, nn.Module) or peft_config is not None:  # a model loaded lazily is built, not drawn
+            set_seed(args.seed)  # the same initial weights (adapters) as building after set_seed in run_clm (TRL)
         return self.xla_fsdp_session.build_model(model, progress=args.should_log, wrap_root=wrap_root,
                                                  peft_config=peft_config)
 
@@ -242,10 +231,12 @@ class XlaFsdpTrainerMixin:
         return self._accelerator_kwargs
 
     def create_accelerator_and_postprocess(self) -> None:
-        """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` (on this trainer's session) as the accelerator."""
+        """Trainer's accelerator setup, with :class:`XlaFsdpAccelerator` (on this trainer's session) as the accelerator
+        (the base class's own stays stock, also in a launched script)."""
         from .accelerate import XlaFsdpAccelerator
 
-        super().create_accelerator_and_postprocess()
+        with patches.stock_accelerator():
+            super().create_accelerator_and_postprocess()
         kwargs = dict(self._accelerator_kwargs)
         if kwargs.pop("fsdp_plugin", None) is not None:  # torch FSDP's plugin: never built for an XLA fsdp_config
             raise ConfigError("XlaFsdpTrainer got a torch FSDP plugin; use an fsdp_config with \"xla\": true")
@@ -256,23 +247,10 @@ class XlaFsdpTrainerMixin:
                                                      use_gather_object=self.args.eval_use_gather_object)
 
     def get_decay_parameter_names(self, model: nn.Module) -> list[str]:
-        """Transformers' weight-decay rule applied to the original parameter names inside FSDP units.
-
-        A flattened group (``flatten_parameters``) is one tensor, so it decays as a whole.
-        """
+        """Transformers' weight-decay rule applied to the original parameter names inside FSDP units."""
         if not is_wrapped(model):
             return super().get_decay_parameter_names(model)
-        inner = self.xla_fsdp_session.unwrap(model)
-        decay = []
-        for name, orig in self.xla_fsdp_session.original_names(model).items():
-            owner = orig.rsplit(".", 1)[0] if "." in orig else ""
-            try:
-                is_norm = isinstance(inner.get_submodule(owner), nn.LayerNorm)
-            except AttributeError:
-                is_norm = False
-            if "flat_param" in orig or not (is_norm or any(p.search(orig.lower()) for p in _NO_DECAY)):
-                decay.append(name)
-        return decay
+        return self.xla_fsdp_session.decay_parameter_names(model)
 
     def _raw_optimizer(self) -> Any:
         return getattr(self.optimizer, "optimizer", self.optimizer)
@@ -283,17 +261,20 @@ class XlaFsdpTrainerMixin:
         adapter files, as in a stock checkpoint-N), published atomically."""
         from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_callback import ExportableState
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+        from transformers.trainer_utils import SaveStrategy
+
+        from ..checkpoint.layout import TRAINER_PREFIX
 
         checkpoints = self.xla_fsdp_session.checkpoints
         checkpoints.wait()  # the previous checkpoint is published before this one is named and rotated
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
-        output_dir = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        series = checkpoints.series(run_dir, TRAINER_PREFIX)  # the one policy: naming, latest, rotation
+        output_dir = series.path(self.state.global_step)
         if self.args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] \
                 and self.state.best_global_step:
-            best = Path(run_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            best = series.path(self.state.best_global_step)
             if best == output_dir or best.exists():
                 self.state.best_model_checkpoint = str(best)
         for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
@@ -314,8 +295,7 @@ class XlaFsdpTrainerMixin:
             if self.args.push_to_hub:
                 self._push_from_checkpoint(str(path))
             if self.args.should_save:
-                rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+                series.rotate(self.args.save_total_limit, protect=[self.state.best_model_checkpoint])
 
         only_model = self.args.save_only_model
         checkpoints.save(output_dir, self.model, None if only_model else self._raw_optimizer(),
@@ -444,15 +424,21 @@ class XlaFsdpTrainer(XlaFsdpTrainerMixin, Trainer):
 
 
 def xla_fsdp_trainer(trainer_cls: type) -> type:
-    """``trainer_cls`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with XLA FSDP."""
+    """``trainer_cls`` (a ``transformers.Trainer`` subclass, e.g. TRL's ``SFTTrainer``) with XLA FSDP: the same class
+    with :class:`XlaFsdpTrainerMixin` first, made once per class (``XlaFsdpTrainer`` for ``Trainer``). The one way a
+    Trainer gets XLA FSDP: ``XlaFsdpSFTTrainer`` and a launched script's Trainer classes are made here."""
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise ConfigError(f"xla_fsdp_trainer needs a transformers.Trainer subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, XlaFsdpTrainerMixin):
         return trainer_cls
-    return type(f"XlaFsdp{trainer_cls.__name__}", (XlaFsdpTrainerMixin, trainer_cls),
-                {"__module__": trainer_cls.__module__, "__doc__": f"{trainer_cls.__name__} with XLA FSDP."})
+    made = process_state().trainer_classes
+    if trainer_cls not in made:
+        made[trainer_cls] = XlaFsdpTrainer if trainer_cls is Trainer else type(
+            f"XlaFsdp{trainer_cls.__name__}", (XlaFsdpTrainerMixin, trainer_cls),
+            {"__module__": trainer_cls.__module__, "__doc__": f"{trainer_cls.__name__} with XLA FSDP."})
+    return made[trainer_cls]
 
 
-startup.install()  # the one-line swap: v2 settings start SPMD before the script's TrainingArguments use the device
+patches.patch_training_arguments()  # the one-line swap: TrainingArguments ready the runtime for their settings first
 
 __all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "trainer_arguments", "xla_fsdp_trainer"]

@@ -15,7 +15,7 @@ place of those names in the TRL modules the trainer class comes from (and puts t
   no master copies, stored in the run's compute dtype; TRL then hands it to ``accelerator.prepare_model(...,
   evaluation_mode=True)``, which adds its root unit;
 * ``model_init_kwargs`` as TRL computed them are honoured: ``attn_implementation`` and config keywords
-  (``num_labels``) on the config, ``dtype`` as the run's compute dtype (:func:`precision_for`), ``architecture`` as
+  (``num_labels``) on the config, ``dtype`` as the run's compute dtype (:func:`model_init_sources`), ``architecture`` as
   the class built; what cannot apply on XLA FSDP (``quantization_config``) is one line.
 
 The names replaced are listed in :mod:`hf_xla_fsdp.upstream` (``trl`` entries), checked before use.
@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..plugin import XlaFsdpPlugin
+    from ..config.resolve import Source
     from ..session import XlaFsdpSession
 
 logger = logging.getLogger(__name__)
@@ -75,14 +75,19 @@ def _trl_modules(trainer_cls: type) -> list[Any]:
     return found
 
 
-def precision_for(plugin: "XlaFsdpPlugin", args: Any) -> "XlaFsdpPlugin":
-    """``plugin`` with ``args.model_init_kwargs["dtype"]`` (TRL's way to ask for a bf16 / fp16 model) as the compute
-    dtype: on XLA FSDP the parameters keep full precision (v1 shards fp32, v2 fp32 master copies) and compute in it."""
+def model_init_sources(args: Any) -> list["Source"]:
+    """The settings a TRL config's ``model_init_kwargs`` give (TRL's way to ask for a bf16 / fp16 model): its
+    ``dtype`` as the compute dtype, one source for the one conflict rule (:mod:`hf_xla_fsdp.config.resolve`). On XLA
+    FSDP the parameters keep full precision (v1 shards fp32, v2 keeps fp32 master copies) and compute in it."""
+    from ..config.resolve import precision_source
+
     kwargs = getattr(args, "model_init_kwargs", None)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype")) if isinstance(kwargs, dict) else None
-    if dtype in _LOW_PRECISION:
-        return plugin.with_mixed_precision(_LOW_PRECISION[dtype], f"model_init_kwargs dtype={dtype}")
-    return plugin
+    if dtype not in _LOW_PRECISION:
+        return []
+    source = precision_source(f"{type(args).__name__}(model_init_kwargs={{'dtype': {str(dtype)!r}}})",
+                              _LOW_PRECISION[dtype])
+    return [source] if source is not None else []
 
 
 class TrlModelHooks:

@@ -22,8 +22,10 @@ buffer a module owns.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
@@ -88,9 +90,31 @@ def safetensors_weight_map(directory: Path) -> dict[str, Path]:
     return {}
 
 
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def local_model_dir(name: Any, revision: Optional[str] = None, cache_dir: Any = None,
+                    subfolder: str = "") -> Optional[Path]:
+    """The local directory ``name`` means: a directory, or a Hub id's snapshot in the local Hugging Face cache
+    (nothing is downloaded); None when it is neither."""
+    path = Path(str(name))
+    if path.is_dir():
+        return path / subfolder if subfolder else path
+    if path.exists() or not _REPO_ID.match(str(name)):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        found = Path(snapshot_download(str(name), revision=revision, cache_dir=cache_dir, local_files_only=True))
+    except Exception:  # not in the cache (LocalEntryNotFoundError), or not a valid id: the caller decides
+        return None
+    return found / subfolder if subfolder else found
+
+
 def resolve_source(source: Any) -> ModelSource:
-    """Accept a ``PretrainedConfig``, a ``config.json`` path, or a local model directory (or a source resolved
-    already, whose config a caller may have adjusted)."""
+    """Accept a ``PretrainedConfig``, a ``config.json`` path, a local model directory, or a Hub id whose snapshot is
+    in the local Hugging Face cache (offline: nothing is downloaded); or a source resolved already, whose config a
+    caller may have adjusted."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(source, ModelSource):
@@ -101,7 +125,16 @@ def resolve_source(source: Any) -> ModelSource:
     if path.is_file() and path.suffix == ".json":
         return ModelSource(config=AutoConfig.from_pretrained(str(path)))
     if not path.is_dir():
-        raise ConfigError(f"{source!r} is neither a PretrainedConfig, a config.json file nor a local model directory")
+        cached = local_model_dir(source)
+        if cached is None and _REPO_ID.match(str(source)):
+            from huggingface_hub.constants import HF_HUB_CACHE
+
+            raise ConfigError(f"{source!r} is neither a local model directory nor a model in the local Hugging Face "
+                              f"cache ({HF_HUB_CACHE}): download it first (`hf download {source}`), or give a local "
+                              "directory, a config.json or a PretrainedConfig")
+        if cached is None:
+            raise ConfigError(f"{source!r} is neither a PretrainedConfig, a config.json file nor a local model directory")
+        path = cached
     if not (path / "config.json").is_file():
         if (path / "adapter_config.json").is_file():
             raise ConfigError(f"{path} holds PEFT adapters, not a model: build the base model it names, then attach them "
@@ -129,12 +162,28 @@ def model_class(config: Any, model_cls: Any = None) -> Any:
     return transformers.AutoModelForCausalLM
 
 
+#: True while our own builds construct models: from_pretrained / from_config then load as upstream does (the lazy
+#: loading of a launched script, modeling/lazy.py, is for the script's calls)
+BYPASS: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_xla_fsdp_lazy_bypass", default=False)
+
+
+@contextlib.contextmanager
+def bypass() -> Iterator[None]:
+    """Inside, from_pretrained / from_config load as upstream does (our own builds, eager fallbacks)."""
+    token = BYPASS.set(True)
+    try:
+        yield
+    finally:
+        BYPASS.reset(token)
+
+
 def _instantiate(cls: Any, config: Any, dtype: torch.dtype) -> nn.Module:
     from transformers import PreTrainedModel
 
-    if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
-        return cls._from_config(config, dtype=dtype)
-    return cls.from_config(config, dtype=dtype)
+    with bypass():
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls._from_config(config, dtype=dtype)
+        return cls.from_config(config, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- RNG bookkeeping
@@ -362,11 +411,14 @@ def _owners(model: nn.Module) -> dict[nn.Module, nn.Module]:
     return owners
 
 
-def _materialize_tensors(modules: list[nn.Module], memo: dict[int, Optional[torch.Tensor]]) -> None:
+def _materialize_tensors(modules: list[nn.Module], memo: dict[int, Optional[torch.Tensor]], in_place: bool = False,
+                         ) -> None:
     """Replace meta parameters of ``modules`` (non-recursively) by uninitialized CPU tensors.
 
     ``memo`` has a key for every parameter that stands under two names (tied): it keeps them one
     object. Nothing else is remembered, so FSDP can free a block's full tensors once it is sharded.
+    ``in_place``: each parameter object takes the CPU tensor itself (``torch.utils.swap_tensors``), so whoever holds
+    it (an optimizer, the script) sees the values.
     """
     for module in modules:
         for name, param in list(module._parameters.items()):
@@ -375,6 +427,9 @@ def _materialize_tensors(modules: list[nn.Module], memo: dict[int, Optional[torc
             new = memo.get(id(param))
             if new is None:
                 new = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+                if in_place:
+                    torch.utils.swap_tensors(param, new)
+                    new = param
                 if id(param) in memo:
                     memo[id(param)] = new
             module._parameters[name] = new
@@ -395,8 +450,10 @@ def _hidden(module: nn.Module, names: list[str]) -> Iterator[None]:
 class Materializer:
     """Fills the meta tensors of one part of a skeleton at a time."""
 
-    def __init__(self, skeleton: Skeleton, key_of: Optional[Callable[[str], Optional[str]]] = None) -> None:
+    def __init__(self, skeleton: Skeleton, key_of: Optional[Callable[[str], Optional[str]]] = None,
+                 in_place: bool = False) -> None:
         self.sk = skeleton
+        self.in_place = in_place  # parameters keep their identity (see _materialize_tensors)
         # skeleton tensor name -> pretrained key (None: not stored there, e.g. a freshly added adapter)
         self.key_of = key_of or (lambda name: name)
         self.names = {m: n for n, m in skeleton.model.named_modules(remove_duplicate=False)}
@@ -433,7 +490,7 @@ class Materializer:
         """Materialize and initialize the direct tensors of ``modules`` (given in post-order; each once)."""
         modules = [m for m in modules if m not in self.filled]
         self.filled.update(modules)
-        _materialize_tensors(modules, self.memo)
+        _materialize_tensors(modules, self.memo, self.in_place)
         if self.sk.source.pretrained:
             self._load(modules)
         else:
@@ -627,6 +684,7 @@ def build_sharded(
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
     peft_config: Any = None,
+    skeleton: Optional[Skeleton] = None,
 ) -> nn.Module:
     """Build ``source`` on ``meta``, then materialize, initialize and shard it block by block.
 
@@ -637,10 +695,15 @@ def build_sharded(
     ``peft_config`` (e.g. a ``peft.LoraConfig``) attaches adapters to the skeleton before anything is
     materialized and returns the wrapped ``PeftModel``: the order is base on meta, adapters on meta,
     then block by block: base tensors read (or initialized), adapters initialized, shard.
+
+    ``skeleton``: one built already (a model loaded lazily, :mod:`.lazy`), used as it is.
     """
-    # adapters are initialized between fills from the global RNG, which must then already be eager's final state
-    sk = build_skeleton(source, model_cls=model_cls, dtype=dtype, defer_init_draws=peft_config is None)
-    release_host_memory()  # the skeleton's scratch draws leave freed heap behind
+    if skeleton is None:
+        # adapters are initialized between fills from the global RNG, which must then already be eager's final state
+        sk = build_skeleton(source, model_cls=model_cls, dtype=dtype, defer_init_draws=peft_config is None)
+        release_host_memory()  # the skeleton's scratch draws leave freed heap behind
+    else:
+        sk = skeleton
     model, key_of, init_adapters = sk.model, None, None
     if peft_config is not None:
         from . import adapters
@@ -711,5 +774,6 @@ def build_eager(source: Any, model_cls: Any = None, dtype: torch.dtype = torch.f
     src = source if isinstance(source, ModelSource) else resolve_source(source)
     cls = model_class(src.config, model_cls)
     if src.pretrained:
-        return cls.from_pretrained(str(src.directory), config=src.config, dtype=dtype)
+        with bypass():
+            return cls.from_pretrained(str(src.directory), config=src.config, dtype=dtype)
     return _instantiate(cls, src.config, dtype)

@@ -1,7 +1,8 @@
 """Does a model train on a TPU slice? Memory per chip from the meta skeleton, against the chip's HBM.
 
-Exact (the same padding and sharding rules as the real wrap, tested against wrapped models' tensors):
-parameter, gradient and optimizer-state bytes per chip, and the bytes of the largest all-gathered unit.
+Exact (the engine's own padding and sharding rules, :meth:`hf_xla_fsdp.engines.Engine.plan_shards`, tested against
+wrapped models' tensors): parameter, gradient and optimizer-state bytes per chip, and the bytes of the largest
+all-gathered unit. The planner asks the engine; it knows no engine's rule itself.
 Estimates (labelled so everywhere): the gathered working set during a step and the activations.
 """
 
@@ -15,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ..engines import PlannedUnit, engine_for
 from ..errors import ConfigError
-from .units import unit_params
+from .units import planned_units
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -101,42 +103,6 @@ def parse_slice(name: str) -> TpuSlice:
 def slice_for(gen: TpuGeneration, count: int) -> TpuSlice:
     """The slice of ``gen`` named with ``count``."""
     return TpuSlice(f"{gen.name}-{count}", gen, count // gen.cores_per_chip if gen.counts_cores else count)
-
-
-# --------------------------------------------------------------------------- exact sharding rules
-def v1_shard_shapes(params_by_unit: list[list[tuple[int, tuple[int, ...]]]], world: int, plugin: "XlaFsdpPlugin"
-                    ) -> list[list[tuple[int, ...]]]:
-    """Shapes of the shards a rank holds under FSDP v1 (XlaFullyShardedDataParallel), unit by unit.
-
-    Mirrors ``_shard_parameters_`` / ``_flatten_and_pad_to_world_size``: a parameter (or, with
-    ``flatten_parameters``, a unit's parameters concatenated) is flattened and padded to a multiple of
-    ``world * 128``; with ``shard_param_on_dim_0`` only dim 0 is padded, to a multiple of ``world``,
-    and the shard keeps the other dimensions.
-    """
-    multiple = 1 if plugin.shard_param_on_dim_0 else 128
-    on_dim0 = plugin.shard_param_on_dim_0 and not plugin.flatten_parameters
-    out = []
-    for params in params_by_unit:
-        if plugin.flatten_parameters:
-            total = sum(n for n, _ in params)
-            out.append([(_pad(total, world * multiple) // world,)] if total else [])
-        elif on_dim0:
-            out.append([(_pad(shape[0], world) // world, *shape[1:]) for _, shape in params])
-        else:
-            out.append([(_pad(n, world * multiple) // world,) for n, _ in params])
-    return out
-
-
-def v2_shard_shapes(shapes: list[tuple[int, ...]], fsdp_size: int) -> list[tuple[int, ...]]:
-    """Shape of the piece each device holds under FSDP v2 (SPMD): dim 0 split over the ``fsdp`` mesh axis.
-
-    XLA pads an uneven split, so every device allocates ``ceil(dim0 / fsdp_size)`` rows; scalars are replicated.
-    """
-    return [(math.ceil(s[0] / fsdp_size), *s[1:]) if s else () for s in shapes]
-
-
-def _pad(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 # --------------------------------------------------------------------------- estimates
@@ -228,90 +194,34 @@ class _Model:
 
     config: Any
     class_name: str
-    units: list[tuple[str, list[tuple[int, tuple[int, ...]]]]]  # unit name -> (numel, shape) of its own parameters
+    planned: list[PlannedUnit]  # the units, their own parameters' (numel, shape) and names within them
     buffer_bytes: int
     total_params: int
-    names: list[list[str]] = dataclasses.field(default_factory=list)  # per unit: its parameters' names within it
+
+    @property
+    def units(self) -> list[tuple[str, list[tuple[int, tuple[int, ...]]]]]:
+        """``(unit name, [(numel, shape), ...])`` of every unit."""
+        return [(u.name, list(u.params)) for u in self.planned]
 
 
 def _load_model(source: Any, plugin: "XlaFsdpPlugin") -> _Model:
     from ..modeling.meta_init import build_skeleton, resolve_source
-    from ..modeling.wrapping import plan_blocks
     from .presets import is_preset, preset_config
 
     src = resolve_source(preset_config(source) if is_preset(source) else source)
     model = build_skeleton(src, record_init=False).model
-    blocks = plan_blocks(model, plugin).units
-    units = [(name or "<root>", [(p.numel(), tuple(p.shape)) for p in params])
-             for name, params in unit_params(model, blocks).items()]
-    # the names a unit's wrap sees (relative to the unit), in unit_params' order: tensor-parallel plans match them
-    seen: set[int] = set()
-    names: list[list[str]] = []
-    for name in [*blocks, ""]:
-        names.append([])
-        for pname, p in (model.get_submodule(name) if name else model).named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                names[-1].append(pname)
+    planned = planned_units(model, plugin)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return _Model(src.config, type(model).__name__, units, buffers, sum(n for _, ps in units for n, _ in ps), names)
-
-
-def tensor_parallel_shards(m: _Model, plugin: "XlaFsdpPlugin", chips: int, tensor: int
-                           ) -> tuple[list[tuple[int, ...]], list[int]]:
-    """FSDP v2 on a ``(replica, fsdp, tensor)`` mesh: the piece shape of every parameter on one chip, and per unit the
-    elements one chip holds once the unit is all-gathered over ``fsdp`` (its split weights stay split over tensor).
-
-    The same rules as the wrap (``modeling.tensor_parallel.apply_plan``): a planned weight is split over the axes
-    its plan names; any other parameter over ``fsdp`` x ``tensor`` on its largest dim (1-D ones over ``fsdp`` only).
-    XLA pads uneven splits (ceil).
-    """
-    from ..modeling.tensor_parallel import TENSOR_AXIS, resolve_plan
-
-    replicas = plugin.replica_size
-    if chips % (replicas * tensor):
-        raise ConfigError(f"replica_size={replicas} x tensor_parallel_size={tensor} = {replicas * tensor} does not divide "
-                          f"the {chips} chips; choose sizes whose product divides {chips}")
-    sizes = {"replica": replicas, "fsdp": chips // (replicas * tensor), TENSOR_AXIS: tensor}
-    plan = resolve_plan(m.config, tensor, plugin.tensor_parallel_plan)
-    shapes: list[tuple[int, ...]] = []
-    gathered: list[int] = []
-    for (_, params), names in zip(m.units, m.names):
-        unit = 0
-        for (numel, shape), name in zip(params, names):
-            axes = plan.axes_for(name)
-            if axes is None or len(axes) != len(shape):
-                split: list[Any] = [None] * len(shape)
-                if shape:  # 1-D ones (norms, biases) over fsdp only, as the wrap does
-                    split[list(shape).index(max(shape))] = ("fsdp", TENSOR_AXIS) if len(shape) > 1 else "fsdp"
-                axes, unit = tuple(split), unit + numel
-            else:
-                has_tensor = any(a == TENSOR_AXIS or (isinstance(a, tuple) and TENSOR_AXIS in a) for a in axes)
-                unit += numel // tensor if has_tensor else numel
-            shapes.append(tuple(math.ceil(d / math.prod(sizes[a] for a in ((ax,) if isinstance(ax, str) else ax or ())))
-                                for d, ax in zip(shape, axes)))
-        gathered.append(unit)
-    return shapes, gathered
+    return _Model(src.config, type(model).__name__, planned, buffers, sum(n for u in planned for n, _ in u.params))
 
 
 def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, batch: int, seq: int,
               checkpointing: bool, compute: Optional[torch.dtype]) -> dict[str, Any]:
-    """Bytes per chip for ``chips`` chips (exact parts and estimates)."""
-    version = plugin.version
-    if version == 1:
-        by_unit = v1_shard_shapes([ps for _, ps in m.units], chips, plugin)
-        shard_shapes = [s for unit in by_unit for s in unit]
-        # the all-gather output: every rank's padded shard
-        gathered_unit = [chips * sum(math.prod(s) for s in unit) for unit in by_unit]
-    elif plugin.tensor_parallel_size > 1:
-        shard_shapes, gathered_unit = tensor_parallel_shards(m, plugin, chips, plugin.tensor_parallel_size)
-    else:
-        fsdp = chips // plugin.replica_size
-        if fsdp < 1 or chips % plugin.replica_size:
-            raise ConfigError(f"replica_size={plugin.replica_size} does not divide the {chips} chips")
-        shard_shapes = v2_shard_shapes([s for _, ps in m.units for _, s in ps], fsdp)
-        gathered_unit = [sum(n for n, _ in ps) for _, ps in m.units]
-    tensor = plugin.tensor_parallel_size if version == 2 else 1
+    """Bytes per chip for ``chips`` chips (exact parts and estimates); the engine says how it shards."""
+    engine = engine_for(plugin)
+    shards, gathered_unit = engine.plan_shards(m.planned, m.config, chips, plugin)
+    shard_shapes = [shape for unit in shards for shape in unit]
+    tensor = engine.devices_per_sample(plugin)
     elem = _dtype_size(compute)
     params = 4 * sum(math.prod(s) for s in shard_shapes)
     optim = 4 * optimizer_numels(optimizer, shard_shapes)
@@ -322,7 +232,7 @@ def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, ba
     # ESTIMATE of the gathered working set: the root stays gathered for the whole step (disable_reshard_on_root,
     # v1's default; v2 gathers it like any unit), plus one nested unit's full parameters and full gradients in
     # backward (before the reduce-scatter); root only (zero2): the whole model's parameters and gradients
-    root_kept = version == 1 and plugin.disable_reshard_on_root
+    root_kept = engine.root_stays_gathered(plugin)
     if not nested:
         gathered = 2 * root * elem
     else:
@@ -332,8 +242,7 @@ def _per_chip(m: _Model, plugin: "XlaFsdpPlugin", chips: int, optimizer: str, ba
     buffers = m.buffer_bytes  # replicated on every chip (cast to buffer_dtype: counted in fp32, an upper bound)
     exact = params + params + optim + buffers
     total = exact + gathered + acts["used"]
-    mesh = ({"replica": plugin.replica_size, "fsdp": chips // (plugin.replica_size * tensor), "tensor": tensor}
-            if version == 2 else None)
+    mesh = engine.plan_mesh(plugin, chips)
     return {
         "chips": chips, "mesh": mesh,
         "parameters": params, "gradients": params, "optimizer_state": optim, "buffers": buffers,
@@ -383,7 +292,7 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
     if not fits:
         suggestions = _suggestions(m, plugin, slc, batch_size, seq, optimizer, chip, source)
     tensor = None
-    if plugin.version == 2 and plugin.tensor_parallel_size == 1:
+    if engine_for(plugin).splits_tensors() and plugin.tensor_parallel_size == 1:
         tensor = smallest_tensor_parallel(plugin, slc, chip)
         if not fits and tensor["size"] is not None:
             plugin = dataclasses.replace(plugin, tensor_parallel_size=tensor["size"])
@@ -495,7 +404,7 @@ def _suggestions(m: _Model, plugin: "XlaFsdpPlugin", slc: TpuSlice, batch: int, 
         zero3 = dataclasses.replace(plugin, sharding="zero3")
         combined["p"], combined["model"] = zero3, _load_model(source, zero3)
         add("sharding zero3 (a unit per block)", chip(p=zero3, model=combined["model"]))
-    if plugin.version == 1 and plugin.compute_dtype in (None, torch.float32):
+    if engine_for(plugin).compute_dtype_saves_memory(plugin) and plugin.compute_dtype in (None, torch.float32):
         add("--compute-dtype bfloat16", chip(dt=torch.bfloat16))
         combined["dt"] = torch.bfloat16
     if combined:

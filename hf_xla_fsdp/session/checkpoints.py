@@ -2,9 +2,10 @@
 
 :mod:`hf_xla_fsdp.checkpoint` writes and reads rank files (the protocol, the storage backends, consolidation);
 :class:`CheckpointManager` decides how a run uses them: synchronous or background saves (:class:`AsyncMode`), who
-waits for whom, publication hooks and rotation, the final ``from_pretrained``-ready save (streaming consolidation,
-or peft's adapter files for a PEFT model) and the full state dict. ``XlaFsdpTrainer`` and ``XlaFsdpAccelerator``
-both go through it.
+waits for whom, publication hooks, the checkpoint policy (naming, the latest complete checkpoint, rotation:
+:class:`~hf_xla_fsdp.checkpoint.layout.CheckpointSeries`), the final ``from_pretrained``-ready save (streaming
+consolidation, or peft's adapter files for a PEFT model) and the full state dict. ``XlaFsdpTrainer`` and
+``XlaFsdpAccelerator`` both go through it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import load_checkpoint, restore_rng_state, save_checkpoint, wait_for_pending_save
+from ..checkpoint.layout import CheckpointSeries
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -134,17 +135,20 @@ class CheckpointManager:
         self.wait()
 
     @staticmethod
-    def numbered(root: PathLike, prefix: str) -> list[Path]:
-        """``<prefix><N>`` directories under ``root``, oldest (lowest N) first."""
-        root = Path(root)
-        pattern = re.compile(re.escape(prefix) + r"(\d+)")
-        found = [p for p in root.iterdir() if p.is_dir() and pattern.fullmatch(p.name)] if root.is_dir() else []
-        return sorted(found, key=lambda p: int(pattern.fullmatch(p.name).group(1)))
+    def series(root: PathLike, prefix: str) -> CheckpointSeries:
+        """The numbered checkpoints ``<root>/<prefix><N>`` of a run: naming, the latest complete one, rotation (one
+        policy for the Trainer and accelerate, see :class:`~hf_xla_fsdp.checkpoint.layout.CheckpointSeries`)."""
+        return CheckpointSeries(root, prefix)
 
-    def rotate(self, root: PathLike, prefix: str, keep: int) -> None:
-        """Keep the newest ``keep`` ``<prefix><N>`` checkpoints under ``root`` (call on the main process)."""
-        for old in self.numbered(root, prefix)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    @staticmethod
+    def numbered(root: PathLike, prefix: str) -> list[Path]:
+        """``<prefix><N>`` directories under ``root``, complete or not, oldest (lowest N) first."""
+        return CheckpointSeries(root, prefix).numbered()
+
+    def rotate(self, root: PathLike, prefix: str, keep: Optional[int], protect: Any = ()) -> list[Path]:
+        """Keep at most ``keep`` complete ``<prefix><N>`` checkpoints under ``root`` (never the newest one, nor those in
+        ``protect``; incomplete ones neither count nor go); call on the main process. Returns what it deleted."""
+        return CheckpointSeries(root, prefix).rotate(keep, protect)
 
     # ----------------------------------------------------------------- from_pretrained-ready outputs
     def save_pretrained(self, model: nn.Module, output: PathLike, *, is_main: bool, step: int = 0,

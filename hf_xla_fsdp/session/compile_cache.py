@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..process import process_state
+
 logger = logging.getLogger(__name__)
 
 #: the default folder, or "none" to switch the default cache off (a plugin's explicit setting wins)
@@ -53,9 +55,7 @@ class CacheState:
     unloadable: bool = False
 
 
-_STATE: Optional[CacheState] = None
-_LOCK_FD: Optional[int] = None
-_IGNORED: set = set()  # settings a later session asked for, reported once
+# what this module remembers (the cache chosen, the writer lock held, settings reported) is the process state's
 
 
 def default_dir() -> Optional[str]:
@@ -89,7 +89,6 @@ def _take_writer_lock(path: str) -> Optional[bool]:
     None: the file system has no locks (then process 0 writes without one)."""
     import fcntl
 
-    global _LOCK_FD
     fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -99,7 +98,7 @@ def _take_writer_lock(path: str) -> Optional[bool]:
     except OSError:
         os.close(fd)
         return None
-    _LOCK_FD = fd  # kept open: the lock lasts as long as this process
+    process_state().compile_cache_lock_fd = fd  # kept open: the lock lasts as long as this process
     return True
 
 
@@ -108,45 +107,47 @@ def setup(setting: Optional[str], process_index: Callable[[], int]) -> CacheStat
 
     Must run before the process's first compile; ``process_index`` is called only when a folder is in use.
     """
-    global _STATE
-    if _STATE is not None:
+    process = process_state()
+    if process.compile_cache is not None:
+        chosen: CacheState = process.compile_cache
         wanted = default_dir() if setting == "auto" else setting
-        if setting not in (None, "auto") and wanted != _STATE.path and wanted not in _IGNORED:
-            _IGNORED.add(wanted)
+        if setting not in (None, "auto") and wanted != chosen.path and wanted not in process.compile_cache_ignored:
+            process.compile_cache_ignored.add(wanted)
             logger.warning("compilation_cache_dir=%s not used: this process set up its cache already (%s)", wanted,
-                           _STATE.path or _STATE.reason)
-        return _STATE
+                           chosen.path or chosen.reason)
+        return chosen
+    process.compile_cache = _choose(setting, process_index)
+    return process.compile_cache
+
+
+def _choose(setting: Optional[str], process_index: Callable[[], int]) -> CacheState:
+    """What :func:`setup` sets up, the first time."""
     import torch_xla
     import torch_xla.runtime as xr
 
     explicit = setting not in (None, "auto")
     if os.environ.get("XLA_PERSISTENT_CACHE_PATH"):  # the script (or its launcher) chose already: theirs
-        _STATE = CacheState(os.environ["XLA_PERSISTENT_CACHE_PATH"],
-                            os.environ.get("XLA_PERSISTENT_CACHE_READ_ONLY", "0") == "1", "set by XLA_PERSISTENT_CACHE_PATH",
-                            explicit=True)
-        return _STATE
+        return CacheState(os.environ["XLA_PERSISTENT_CACHE_PATH"],
+                          os.environ.get("XLA_PERSISTENT_CACHE_READ_ONLY", "0") == "1", "set by XLA_PERSISTENT_CACHE_PATH",
+                          explicit=True)
     path = default_dir() if setting == "auto" else setting
     if path is None:
-        _STATE = CacheState(None, reason="off")
-        return _STATE
+        return CacheState(None, reason="off")
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
         (logger.warning if explicit else logger.debug)(
             "compilation_cache_dir=%s not used: a graph was compiled before hf_xla_fsdp set up the runtime; build the "
             "Trainer/Accelerator (or call XlaFsdpPlugin.build) before running XLA code", path)
-        _STATE = CacheState(None, reason="too late: a graph was compiled before")
-        return _STATE
+        return CacheState(None, reason="too late: a graph was compiled before")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as err:
         (logger.warning if explicit else logger.debug)("compilation_cache_dir=%s cannot be created (%s); compiling "
                                                        "without a persistent cache", path, err.strerror or err)
-        _STATE = CacheState(None, reason=f"cannot create {path}")
-        return _STATE
+        return CacheState(None, reason=f"cannot create {path}")
     if not explicit and _marker(path).is_file():
         logger.info("persistent compilation cache off: %s cannot load cached graphs back (%s); see %s",
                     runtime_key(), UPSTREAM_ISSUE, _marker(path))
-        _STATE = CacheState(None, reason=f"{runtime_key()} cannot load it ({UPSTREAM_ISSUE})")
-        return _STATE
+        return CacheState(None, reason=f"{runtime_key()} cannot load it ({UPSTREAM_ISSUE})")
     if process_index() != 0:
         readonly, reason = True, "reader: process 0 of the job writes"
     else:
@@ -155,14 +156,14 @@ def setup(setting: Optional[str], process_index: Callable[[], int]) -> CacheStat
         reason = {True: "writer (holds the lock)", False: "reader: another process holds the writer lock",
                   None: "writer (process 0; no file locks here)"}[locked]
     xr.initialize_cache(path, readonly=readonly)
-    _STATE = CacheState(path, readonly, reason, explicit=explicit)
+    state = CacheState(path, readonly, reason, explicit=explicit)
     logger.info("persistent compilation cache %s (%s)", path, reason)
-    return _STATE
+    return state
 
 
 def state() -> Optional[CacheState]:
     """This process's cache state once :func:`setup` ran (None before)."""
-    return _STATE
+    return process_state().compile_cache
 
 
 def counters() -> dict[str, int]:
@@ -175,7 +176,7 @@ def counters() -> dict[str, int]:
 def check() -> None:
     """After a compile: when cached graphs were found but none could be loaded, say so once (a warning when the
     folder was chosen, else an info line) and mark the folder so the default cache stays off for this runtime."""
-    cache = _STATE
+    cache = process_state().compile_cache
     if cache is None or cache.path is None or cache.unloadable:
         return
     found = counters()
@@ -197,6 +198,6 @@ def check() -> None:
 
 def summary() -> dict[str, Any]:
     """The state and the counters, for benchmarks and tests."""
-    cache = _STATE
+    cache = process_state().compile_cache
     return {"path": cache.path if cache else None, "readonly": cache.readonly if cache else None,
             "reason": cache.reason if cache else "not set up", **counters()}

@@ -4,15 +4,19 @@ A session is built once from an :class:`~hf_xla_fsdp.plugin.XlaFsdpPlugin`. It r
 owns everything the entry points share: the runtime set-up, building and wrapping models, readying optimizers
 and data loaders, clipping, preemption and checkpointing (:class:`~.checkpoints.CheckpointManager`).
 ``XlaFsdpAccelerator`` owns one; ``XlaFsdpTrainer`` uses its accelerator's; ``XlaFsdpPlugin.build`` and
-``.wrap`` make a short-lived one. The engine never changes during a session: the plugin's settings are fixed
-when it is made (a changed plugin makes a new session).
+``.wrap`` make a short-lived one. The engine never changes during a session. The plugin a session is given is
+never changed (it is frozen); what the session derives from it (``tensor_parallel_size: auto``'s value, once the
+model is known) is the session's own :attr:`XlaFsdpSession.plugin`, a copy. The runtime is readied once per process,
+whichever session asks first (:mod:`.bootstrap`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
+import re
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
@@ -21,10 +25,14 @@ from torch import nn
 from ..engines import engine_for, in_evaluation_mode, is_wrapped, unit_classes
 from ..errors import ConfigError
 from . import compile_cache, shapes
+from .bootstrap import ready_runtime
 from .checkpoints import CheckpointManager
 from .preemption import PreemptionGuard
 
 logger = logging.getLogger(__name__)
+
+# transformers' own decay rule (Trainer.get_decay_parameter_names), applied to the original names
+_NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -36,6 +44,7 @@ class XlaFsdpSession:
     """The plugin's settings with their engine, and what every entry point does with them (see the module)."""
 
     def __init__(self, plugin: "XlaFsdpPlugin", *, barrier: Optional[Callable[[str], None]] = None) -> None:
+        #: the settings in use: the plugin given, or a copy with what the session derived (never the user's object)
         self.plugin = plugin
         #: the FSDP engine, resolved once
         self.engine = engine_for(plugin)
@@ -50,24 +59,26 @@ class XlaFsdpSession:
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, *, counted_processes: Optional[int] = None, what: str = "this process") -> None:
-        """Prepare the XLA runtime for the engine, before any XLA tensor exists (idempotent).
+        """The XLA runtime readied for the engine, before any XLA tensor exists: once per process
+        (:func:`.bootstrap.ready_runtime`).
 
         ``counted_processes``: how many processes a launcher has already counted (accelerate's state); when the
         runtime can no longer be set up for the engine (FSDP v2 needs SPMD before the device is first used), one
         line says what to add to the script (``what`` names who used the device first).
         """
-        if counted_processes is not None and not self.engine.runtime_ready(counted_processes):
-            raise ConfigError(self.engine.runtime_too_late(what))
-        self.engine.setup_runtime(self.plugin, what=what)
-        from ..runtime import process_index
+        ready_runtime(self.plugin, what=what, counted_processes=counted_processes)
 
-        compile_cache.setup(self.plugin.compilation_cache_dir, process_index)  # before the first compile
+    def processes_per_host(self, requested: Any) -> Optional[int]:
+        """How many processes a launcher starts on this host for the engine, ``requested`` being what the user asked
+        for (``--num_processes``, a YAML's ``num_processes``); ``None``: the launcher's own process runs the script."""
+        return self.engine.processes_per_host(requested)
 
     # ----------------------------------------------------------------- models
     def build_model(self, source: Union["PretrainedConfig", str, os.PathLike], *, model_cls: Any = None,
                     dtype: torch.dtype = torch.float32, progress: bool = True, wrap_root: bool = True,
                     peft_config: Any = None, evaluation_mode: bool = False) -> nn.Module:
-        """Build ``source`` (a config, a ``config.json`` or a local pretrained directory) wrapped with XLA FSDP.
+        """Build ``source`` (a config, a ``config.json``, a local pretrained directory, a Hub id in the local cache, or
+        a model loaded lazily by ``from_pretrained`` / ``from_config`` under the launch) wrapped with XLA FSDP.
 
         With the plugin's ``meta_init`` (the default) each block is materialized, wrapped and sharded in turn, so the
         whole model never exists on the host; otherwise the model is built eagerly and then wrapped (the reference
@@ -75,10 +86,15 @@ class XlaFsdpSession:
         ``peft.LoraConfig``) attaches adapters on ``meta`` first and returns the wrapped ``PeftModel``.
         ``evaluation_mode``: a model for inference only (a reference, teacher or reward model; see :meth:`wrap_model`).
         """
+        from ..modeling.lazy import lazy_state
         from ..modeling.meta_init import build_eager, build_sharded, resolve_source
 
         if evaluation_mode and peft_config is not None:
             raise ConfigError("a model in evaluation mode trains nothing: build it without peft_config")
+        lazy = lazy_state(source)
+        if lazy is not None:
+            return self._build_lazy(source, lazy, wrap_root=wrap_root, progress=progress, peft_config=peft_config,
+                                    evaluation_mode=evaluation_mode)
         src = resolve_source(source)
         self.setup_runtime()
         self._resolve_tensor_parallel(src.config)
@@ -96,8 +112,38 @@ class XlaFsdpSession:
         return build_sharded(src, self.plugin, wrap_block=block, wrap_root=root, model_cls=model_cls, dtype=dtype,
                              progress=progress, peft_config=peft_config)
 
+    def _build_lazy(self, model: nn.Module, lazy: Any, *, wrap_root: bool, progress: bool, peft_config: Any,
+                    evaluation_mode: bool = False) -> nn.Module:
+        """A model loaded lazily (:mod:`hf_xla_fsdp.modeling.lazy`): its own skeleton filled and sharded block by block
+        from its weight files (or recorded init), as :meth:`build_model` builds a directory."""
+        from ..modeling.lazy import check_no_foreign_meta
+        from ..modeling.meta_init import build_sharded
+
+        check_no_foreign_meta(model, lazy)
+        self.setup_runtime()
+        self._resolve_tensor_parallel(getattr(model, "config", None))
+        if not self.plugin.meta_init:
+            lazy.materialize("meta_init: false")
+            if peft_config is not None:
+                from ..modeling.adapters import require_peft
+
+                model = require_peft().get_peft_model(model, peft_config)
+            if wrap_root:
+                return self.wrap_model(model, evaluation_mode=evaluation_mode)
+            return self._wrap_blocks(model, evaluation_mode) if evaluation_mode else model
+        state = torch.get_rng_state()
+        lazy.release()
+        try:
+            block = functools.partial(self._wrap_block, evaluation_mode=evaluation_mode)
+            root = functools.partial(self._wrap_root, evaluation_mode=evaluation_mode) if wrap_root else None
+            return build_sharded(lazy.skeleton.source, self.plugin, wrap_block=block, progress=progress, wrap_root=root,
+                                 peft_config=peft_config, skeleton=lazy.skeleton)
+        finally:
+            if peft_config is None:  # loading draws nothing at wrap time eagerly; adapters draw now, as peft would
+                torch.set_rng_state(state)
+
     def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
-        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model``.
+        """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model`` (or of one loaded lazily).
 
         ``evaluation_mode``: the model only runs forward (a reference, teacher or reward model). Its parameters are
         frozen before they are sharded, so it has no gradients, no fp32 master copies and is never given to an
@@ -105,6 +151,12 @@ class XlaFsdpSession:
         block is its own unit whatever ``sharding`` says (there is no backward whose all-gathers zero2 would save);
         it is put in ``eval()`` mode (no dropout).
         """
+        from ..modeling.lazy import lazy_state
+
+        lazy = lazy_state(model)
+        if lazy is not None:
+            return self._build_lazy(model, lazy, wrap_root=True, progress=True, peft_config=None,
+                                    evaluation_mode=evaluation_mode)
         self._check_not_wrapped(model)
         if any(p.is_meta for p in model.parameters()):
             raise ConfigError("the model has parameters on the meta device; use XlaFsdpPlugin.build to materialize it")
@@ -122,8 +174,9 @@ class XlaFsdpSession:
         return model
 
     def _resolve_tensor_parallel(self, config: Any) -> None:
-        """``tensor_parallel_size: auto`` becomes the planner's choice for this model and these devices (once; the
-        plugin object is updated, so every later user of it sees the same mesh)."""
+        """``tensor_parallel_size: auto`` becomes the planner's choice for this model and these devices, once: the
+        session's plugin becomes a copy with the chosen size (the user's plugin stays as given), so every later model
+        and checkpoint of the session uses the same mesh."""
         if self.plugin.tensor_parallel_size != "auto":
             return
         if config is None:
@@ -133,7 +186,7 @@ class XlaFsdpSession:
 
         size, why = choose_tensor_parallel(config, self.plugin, device_count(), device_memory_bytes())
         logger.warning("tensor_parallel_size=auto -> %d: %s", size, why)
-        self.plugin.tensor_parallel_size = size
+        self.plugin = dataclasses.replace(self.plugin, tensor_parallel_size=size)
 
     def finish_wrapping(self, model: nn.Module, *, evaluation_mode: Optional[bool] = None) -> nn.Module:
         """The model with its outer unit: wrapped whole when nothing is yet, else only the root added (after a
@@ -202,6 +255,23 @@ class XlaFsdpSession:
         self.create_optimizer_state(optimizer)
         return optimizer
 
+    def ready_optimizers(self, models: list, optimizers: list, moved: dict[int, Any]) -> None:
+        """Optimizers built before their models were wrapped (accelerate's ``prepare`` of any order): re-pointed at
+        the sharded parameters (``moved``: id of an original parameter -> its sharded one), checked to hold prepared
+        models' parameters only, readied by the engine (e.g. fp32 master copies), their state created."""
+        from .optimizers import check_optimizer_parameters, repoint_optimizer, updated_parameter_ids
+
+        if not models:
+            return
+        sharded = updated_parameter_ids(models)
+        for optimizer in optimizers:
+            check_optimizer_parameters(repoint_optimizer(optimizer, moved, sharded))
+        for model in models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
+            for optimizer in optimizers:
+                self.engine.prepare_optimizer(model, optimizer)
+        for optimizer in optimizers:  # after every model's, so the state is made for what is updated
+            self.create_optimizer_state(optimizer)
+
     def create_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Create now, sharded like the parameters, the state ``optimizer`` would make in its first step, so the
         first training step traces the same graph as every later one (XLA compiles it once, not twice)."""
@@ -236,6 +306,22 @@ class XlaFsdpSession:
     def original_names(self, model: nn.Module) -> dict[str, str]:
         """Wrapped parameter name -> the user's parameter name (a flattened group maps to its flat name)."""
         return self.engine.original_names(model)
+
+    def decay_parameter_names(self, model: nn.Module) -> list[str]:
+        """The wrapped ``model``'s parameters that get weight decay by transformers' rule
+        (``Trainer.get_decay_parameter_names``: not biases, not norms) applied to the original names inside the units;
+        a flattened group (``flatten_parameters``) is one tensor, so it decays as a whole."""
+        inner = self.unwrap(model)
+        decay = []
+        for name, orig in self.original_names(model).items():
+            owner = orig.rsplit(".", 1)[0] if "." in orig else ""
+            try:
+                is_norm = isinstance(inner.get_submodule(owner), nn.LayerNorm)
+            except AttributeError:
+                is_norm = False
+            if "flat_param" in orig or not (is_norm or any(p.search(orig.lower()) for p in _NO_DECAY)):
+                decay.append(name)
+        return decay
 
     def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
         """Wrapped parameter name -> the user's names of every parameter it holds."""

@@ -3,11 +3,19 @@
 XLA compiles one graph per distinct set of input shapes. A collator that pads each batch to its own longest text
 (transformers' ``DataCollatorForLanguageModeling``, ``DataCollatorWithPadding``) gives a new sequence length, so a
 new compile, for nearly every batch of varied text. :class:`BucketPadder` wraps a data loader's ``collate_fn`` and
-pads the sequence dimension further, up to the next bucket length (``pad_to_buckets``): ``input_ids`` with the pad
-token, ``labels`` with -100, attention masks with 0, on the tokenizer's padding side; so a run compiles at most one
-graph per bucket. :func:`watch_loader` makes a prepared (device) loader count the runtime's compiles between two
-batches (``UncachedCompile``, a counter read: no hashing) and, after warm-up, log one line naming the batch, the
-input shapes that changed (old -> new) and the fix.
+pads the sequence dimension further, up to the next bucket length (``pad_to_buckets``), with each per-token field's
+own padding value (:data:`PAD_VALUES`), on the side the collator padded; so a run compiles at most one graph per
+bucket. Padding-free batches (several sequences flattened into one row, with ``position_ids`` that restart and no
+attention mask: TRL's packing and ``padding_free``, transformers' ``DataCollatorWithFlattening``) get the padding as
+one more sequence after the last (``position_ids`` from 0, ``seq_idx`` + 1, ``cu_seq_lens_*`` extended), so no real
+token sees it. A default never breaks a batch the model takes: batches that already have a fixed length pass untouched
+(rows of one length, or a loader's first length when its rows cannot be seen), and a field whose padding value is
+unknown leaves its batches unpadded with one warning (per field and process) naming the field and the recompiles it
+costs.
+
+:func:`watch_loader` makes a prepared (device) loader count the runtime's compiles between two batches
+(``UncachedCompile``, a counter read: no hashing) and, after warm-up, log one line naming the batch, the input shapes
+that changed (old -> new) and the fix.
 """
 
 from __future__ import annotations
@@ -30,12 +38,19 @@ WARMUP_BATCHES = 3
 #: warning lines per loader; later new graphs are counted, not logged
 MAX_REPORTS = 5
 PAD_TOKEN = object()  # stands for the pad token id in PAD_VALUES
-#: what each per-token key of a batch is padded with
+NEXT_SEQUENCE = object()  # stands for "a sequence index after the row's last" (seq_idx)
+#: what each per-token key of a batch is padded with: the fields of transformers' collators (DataCollatorFor-
+#: LanguageModeling, -WithPadding, -ForSeq2Seq, -WithFlattening) and TRL's (SFT with packing and padding_free, DPO's
+#: prompt/completion pairs, vision-language: mm_token_type_ids)
 PAD_VALUES: dict[str, Any] = {
     "input_ids": PAD_TOKEN, "decoder_input_ids": PAD_TOKEN, "labels": -100, "attention_mask": 0,
-    "decoder_attention_mask": 0, "token_type_ids": 0, "position_ids": 0, "special_tokens_mask": 1,
-    "completion_mask": 0, "assistant_masks": 0, "loss_mask": 0,
+    "decoder_attention_mask": 0, "token_type_ids": 0, "decoder_token_type_ids": 0, "mm_token_type_ids": 0,
+    "position_ids": 0, "decoder_position_ids": 0, "special_tokens_mask": 1, "completion_mask": 0,
+    "assistant_masks": 0, "loss_mask": 0, "seq_idx": NEXT_SEQUENCE,
 }
+#: per-batch values of padding-free batches: the boundaries of the flattened sequences (1-D) and the longest one
+CU_SEQ_LENS = ("cu_seq_lens_q", "cu_seq_lens_k")
+MAX_LENGTHS = ("max_length_q", "max_length_k")
 _FIX_BUCKETS = ("set pad_to_buckets: true (off here), or pad every batch to a few fixed lengths yourself (the "
                 "tokenizer's padding='max_length' with a max_length, or the collator's pad_to_multiple_of=64)")
 
@@ -114,21 +129,54 @@ def _one_id(token_id: Any) -> Optional[int]:
     return token_id if isinstance(token_id, int) else None
 
 
+class UnpaddableField(ConfigError):
+    """A per-token field whose padding value is unknown (:class:`BucketPadder` leaves such batches unpadded)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"pad_to_buckets cannot pad the batch's {key!r} (its padding value is unknown); pad it "
+                         "yourself to fixed lengths and set pad_to_buckets: false")
+        self.key = key
+
+
+#: fields already warned about in this process (one warning per field, not per batch)
+_WARNED: set[str] = set()
+
+
+def _warn_unpadded(key: str) -> None:
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    logger.warning("pad_to_buckets leaves batches with %r unpadded (its padding value is unknown): each new sequence "
+                   "length of them compiles the training step again (a new XLA graph: seconds here, minutes on large "
+                   "models); pad %r to a few fixed lengths yourself to avoid that (then pad_to_buckets: false)", key, key)
+
+
 class BucketPadder:
     """A ``collate_fn`` that pads what ``collate_fn`` returns up to the bucket lengths (picklable for workers).
 
     Each per-token tensor of the batch (2-D, ``[batch, tokens]``; the keys of ``PAD_VALUES``) is padded along its
-    token dimension to ``bucket_length`` of its own length; an ``attention_mask`` is added when the batch has
-    ``input_ids`` and none. Another 2-D tensor as long as ``input_ids`` is refused (one line), since its padding
-    value is unknown. Batches that are not mappings of tensors pass unchanged.
+    token dimension to ``bucket_length`` of its own length (see :func:`pad_batch`). With ``keep_first`` (the default;
+    :func:`pad_loader` turns it off for a dataset whose rows vary in length) the loader's first lengths are kept as
+    they are, so batches that already have a fixed length pass untouched (a loader of varied lengths it cannot see
+    compiles that one length more); without it every batch is bucketed. An
+    ``attention_mask`` is added to a padded batch with ``input_ids`` and none (not to a padding-free one), and from
+    then on to every batch, so padded and unpadded batches share a graph. A batch holding another 2-D tensor as long
+    as a padded field is left unpadded,
+    with one warning per field and process. Batches that are not mappings of tensors pass unchanged.
     """
 
     def __init__(self, collate_fn: Callable[[list[Any]], Any], buckets: Buckets, *,
-                 models: Optional[Callable[[], Iterable[Any]]] = None, errors: Optional[list] = None) -> None:
+                 models: Optional[Callable[[], Iterable[Any]]] = None, errors: Optional[list] = None,
+                 keep_first: bool = True) -> None:
         self.collate_fn = collate_fn
+        self.keep_first = keep_first
         self.buckets = buckets
         self._models = models
-        self._resolved: Optional[tuple[Optional[int], str, Optional[int]]] = None
+        self._resolved: Optional[tuple[Optional[int], Optional[str], Optional[int]]] = None
+        #: the per-token lengths of the loader's first batch: kept, never padded
+        self.first_lengths: Optional[dict[str, int]] = None
+        #: an attention mask was added to a padded batch: every later batch without one gets one too
+        self.adds_mask = False
         #: a refusal raised in a loader thread is lost there: it is kept here for the training thread to raise
         self.errors = errors if errors is not None else []
 
@@ -139,48 +187,121 @@ class BucketPadder:
         state["errors"] = []  # a worker process's refusals surface as its own exception
         return state
 
-    def _resolve(self) -> tuple[Optional[int], str, Optional[int]]:
+    def _resolve(self) -> tuple[Optional[int], Optional[str], Optional[int]]:
         if self._resolved is None:
             pad_id, side, longest = _collator_settings(self.collate_fn)
             config_pad, config_longest = _config_settings(self._models) if self._models else (None, None)
             # no pad token (GPT-2, Llama): any id will do under a 0 attention mask and -100 labels; eos, else 0
             pad_id = pad_id if pad_id is not None else config_pad if config_pad is not None else 0
             caps = [n for n in (longest, config_longest) if n]
-            self._resolved = (pad_id, side or "right", min(caps) if caps else None)
+            self._resolved = (pad_id, side, min(caps) if caps else None)
         return self._resolved
 
     def __call__(self, features: list[Any]) -> Any:
         batch = self.collate_fn(features)
         if not isinstance(batch, Mapping):
             return batch
+        lengths = token_lengths(batch)
+        if not lengths:
+            return batch
+        if self.first_lengths is None:
+            self.first_lengths = lengths if self.keep_first else {}
         pad_id, side, cap = self._resolve()
         try:
-            return pad_batch(batch, self.buckets, pad_token_id=pad_id, padding_side=side, cap=cap)
+            out = pad_batch(batch, self.buckets, pad_token_id=pad_id, padding_side=side, cap=cap,
+                            keep_lengths=self.first_lengths, add_mask=self.adds_mask)
+        except UnpaddableField as err:
+            _warn_unpadded(err.key)
+            return batch
         except ConfigError as err:
             self.errors.append(err)
             return batch
+        if out is not batch and "attention_mask" in out and "attention_mask" not in batch:
+            self.adds_mask = True
+        return out
 
 
-def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optional[int], padding_side: str = "right",
-              cap: Optional[int] = None) -> Any:
-    """``batch`` (a mapping; the same type is returned) with its per-token tensors padded to the bucket lengths."""
+def token_lengths(batch: Mapping[str, Any]) -> dict[str, int]:
+    """The length of each per-token field (a key of ``PAD_VALUES`` holding a 2-D tensor) of ``batch``."""
+    return {k: int(v.shape[1]) for k, v in batch.items()
+            if k in PAD_VALUES and isinstance(v, torch.Tensor) and v.dim() == 2}
+
+
+def is_padding_free(batch: Mapping[str, Any]) -> bool:
+    """Sequences flattened into rows (TRL's packing / ``padding_free``, ``DataCollatorWithFlattening``): position ids
+    and no attention mask (how transformers recognizes packed sequences), or the varlen boundaries."""
+    return ("attention_mask" not in batch and isinstance(batch.get("position_ids"), torch.Tensor)) or any(
+        k in batch for k in (*CU_SEQ_LENS, "seq_idx"))
+
+
+def _padded_side(batch: Mapping[str, Any], default: Optional[str]) -> str:
+    """The side the collator padded on, read from the attention mask's zeros; else ``default`` (else right)."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
+        left, right = bool((mask[:, 0] == 0).any()), bool((mask[:, -1] == 0).any())
+        if left != right:
+            return "left" if left else "right"
+    return default or "right"
+
+
+def _bounded_boundaries(bounds: Any, total: Optional[int]) -> Optional[torch.Tensor]:
+    """``cu_seq_lens_*`` of a padding-free batch whose rows were padded to ``total`` tokens (None: not padded): the
+    padding ends one more sequence, and the entry count goes up to a power of two (at least 64) by repeating the last
+    boundary (empty sequences), since the count changes with every batch and activation checkpointing passes every
+    tensor argument of a block into the graph (a recompile per count). None when nothing changes."""
+    if not (isinstance(bounds, torch.Tensor) and bounds.dim() == 1 and bounds.numel()):
+        return None
+    out = bounds
+    if total is not None and int(out[-1]) < total:
+        out = torch.cat([out, out.new_tensor([total])])
+    count = bucket_length(out.numel(), True)
+    if count > out.numel():
+        out = torch.cat([out, out[-1:].expand(count - out.numel())])
+    return None if out is bounds else out
+
+
+def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optional[int],
+              padding_side: Optional[str] = "right", cap: Optional[int] = None,
+              keep_lengths: Optional[Mapping[str, int]] = None, add_mask: bool = False) -> Any:
+    """``batch`` (a mapping; the same type is returned) with its per-token tensors padded to the bucket lengths.
+
+    ``batch`` itself is returned when nothing needs padding: each field's length is its ``keep_lengths`` or a bucket
+    length already (with ``add_mask``, a missing attention mask is added all the same, see :class:`BucketPadder`).
+    Padding goes on the side the collator padded (``padding_side`` when the batch does not tell), right for
+    padding-free batches, where it becomes one more sequence: ``position_ids`` count from 0, ``seq_idx`` is the next
+    index, ``cu_seq_lens_*`` end at the new length (their entry count bucketed too) and ``max_length_*`` cover it.
+    Raises :class:`UnpaddableField` for another 2-D tensor as long as a padded one, ``ConfigError`` when
+    ``input_ids`` need a pad token and there is none.
+    """
     ids = batch.get("input_ids")
     ids_len = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+    flat = is_padding_free(batch)
+    keep = keep_lengths or {}
+    targets: dict[str, int] = {}
+    for key, length in token_lengths(batch).items():
+        target = length if length == keep.get(key) else bucket_length(length, buckets, cap)
+        if target != length:
+            targets[key] = target
+    wants_mask = ids_len is not None and "attention_mask" not in batch and not flat
+    total = max(targets.values()) if targets else None
+    boundaries = {key: new for key in CU_SEQ_LENS
+                  if flat and (new := _bounded_boundaries(batch.get(key), total)) is not None}
+    if not targets and not boundaries and not (add_mask and wants_mask):
+        return batch
+    padded_lengths = {batch[k].shape[1] for k in targets}
+    for key, value in batch.items():
+        if key not in PAD_VALUES and isinstance(value, torch.Tensor) and value.dim() == 2 \
+                and value.shape[1] in padded_lengths:
+            raise UnpaddableField(key)
+    side = "right" if flat else _padded_side(batch, padding_side)
     out = dict(batch)
-    if ids_len is not None and "attention_mask" not in out:  # always, so padded and unpadded batches share a graph
+    if wants_mask:  # so padded and unpadded batches share a graph
         out["attention_mask"] = torch.ones_like(ids, dtype=torch.long)
-    for key, value in out.items():
-        if not isinstance(value, torch.Tensor) or value.dim() != 2:
-            continue
-        if key not in PAD_VALUES:
-            if value.shape[1] == ids_len:
-                raise ConfigError(f"pad_to_buckets cannot pad the batch's {key!r} (its padding value is unknown); pad "
-                                  "it yourself to fixed lengths and set pad_to_buckets: false")
-            continue
-        length = value.shape[1]
-        target = bucket_length(length, buckets, cap)
-        if target == length:
-            continue
+        if "input_ids" in targets:
+            targets["attention_mask"] = targets["input_ids"]
+    for key, target in targets.items():
+        value = out[key]
+        rows, length = value.shape[0], value.shape[1]
         fill = PAD_VALUES[key]
         if fill is PAD_TOKEN:
             if pad_token_id is None:
@@ -188,8 +309,20 @@ def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optio
                                   "tokenizer.pad_token = tokenizer.eos_token) or model.config.pad_token_id, or set "
                                   "pad_to_buckets: false")
             fill = pad_token_id
-        pad = value.new_full((value.shape[0], target - length), fill)
-        out[key] = torch.cat([pad, value] if padding_side == "left" else [value, pad], dim=1)
+        if fill is NEXT_SEQUENCE:
+            after = value.amax(dim=1, keepdim=True) + 1 if length else value.new_zeros((rows, 1))
+            pad = after.expand(rows, target - length).to(value.dtype)
+        elif key == "position_ids" and flat:  # the padding is a sequence of its own, from position 0
+            pad = torch.arange(target - length, dtype=value.dtype).expand(rows, -1)
+        else:
+            pad = value.new_full((rows, target - length), fill)
+        out[key] = torch.cat([pad, value] if side == "left" else [value, pad], dim=1)
+    out.update(boundaries)
+    if flat and targets:
+        padding = total - (ids_len if ids_len is not None else min(batch[k].shape[1] for k in targets))
+        for key in MAX_LENGTHS:
+            if isinstance(out.get(key), int):
+                out[key] = max(out[key], padding)
     if isinstance(batch, dict) and type(batch) is dict:
         return out
     try:  # BatchEncoding and other mapping types keep their type
@@ -199,14 +332,41 @@ def pad_batch(batch: Mapping[str, Any], buckets: Buckets, *, pad_token_id: Optio
         return out
 
 
+def rows_vary_in_length(dataset: Any) -> bool:
+    """True when ``dataset``'s rows are known to have different token counts, so a collator that pads to the longest
+    row makes a new length nearly every batch: a ``datasets.Dataset`` with an ``input_ids`` column (read from the
+    Arrow lengths, nothing decoded), or a list of rows. False when they all have one length or it cannot tell (an
+    iterable or streaming dataset: :class:`BucketPadder` then keeps the loader's first length, see ``keep_first``)."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - a dependency of the package
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset) and "input_ids" in dataset.column_names:
+        import pyarrow.compute as pc
+
+        try:
+            lengths = pc.min_max(pc.list_value_length(dataset.data.column("input_ids")))
+        except Exception:  # noqa: BLE001 - not a list column: nothing to tell
+            return False
+        return lengths["min"].as_py() != lengths["max"].as_py()
+    if isinstance(dataset, (list, tuple)) and 0 < len(dataset) <= 100_000:
+        rows = [r.get("input_ids") if isinstance(r, Mapping) else r for r in dataset]
+        lengths = {len(r) for r in rows if isinstance(r, (list, tuple, torch.Tensor))}
+        return len(lengths) > 1
+    return False
+
+
 def pad_loader(loader: Any, buckets: Buckets, *, models: Optional[Callable[[], Iterable[Any]]] = None,
                errors: Optional[list] = None) -> Any:
     """``loader`` with its ``collate_fn`` wrapped in a :class:`BucketPadder` (once); unchanged when off or when it
-    has no ``collate_fn``. ``errors`` collects refusals for the training thread to raise (see :func:`watch_loader`)."""
+    has no ``collate_fn``. Rows of varied length (:func:`rows_vary_in_length`) are bucketed from the first batch on;
+    otherwise the first batch's lengths are kept (rows of one length pass untouched). ``errors`` collects refusals
+    for the training thread to raise (see :func:`watch_loader`)."""
     fn = getattr(loader, "collate_fn", None)
     if buckets is False or fn is None or isinstance(fn, BucketPadder):
         return loader
-    loader.collate_fn = BucketPadder(fn, buckets, models=models, errors=errors)
+    keep_first = not rows_vary_in_length(getattr(loader, "dataset", None))
+    loader.collate_fn = BucketPadder(fn, buckets, models=models, errors=errors, keep_first=keep_first)
     return loader
 
 
@@ -371,5 +531,6 @@ def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
     return loader
 
 
-__all__ = ["BucketPadder", "RecompileWatch", "bucket_length", "bucket_lengths", "compile_count", "pad_batch",
-           "pad_loader", "signature", "watch_loader"]
+__all__ = ["BucketPadder", "RecompileWatch", "UnpaddableField", "bucket_length", "bucket_lengths", "compile_count",
+           "is_padding_free", "pad_batch", "pad_loader", "rows_vary_in_length", "signature", "token_lengths",
+           "watch_loader"]

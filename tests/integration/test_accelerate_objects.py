@@ -86,18 +86,18 @@ def test_gather_for_metrics_with_objects(accelerator):
 
 
 def test_upstream_code_still_runs_for_other_distributed_types(accelerator):
-    from hf_xla_fsdp.integrations import startup
+    from hf_xla_fsdp.process import process_state
 
     # what the patch delegates to off XLA is upstream's own function body, which on XLA still raises
     with pytest.raises(NotImplementedError, match="gather objects in TPU"):
-        startup._upstream_gather_object(["x"])
+        process_state().upstream_gather_object(["x"])
 
 
 def test_importing_the_package_changes_nothing_upstream_building_the_accelerator_does():
     code = textwrap.dedent("""
         import accelerate.utils.operations as ops
         original = ops.gather_object.__code__
-        import hf_xla_fsdp, hf_xla_fsdp.integrations.accelerate, hf_xla_fsdp.integrations.startup
+        import hf_xla_fsdp, hf_xla_fsdp.integrations.accelerate, hf_xla_fsdp.integrations.patches
         assert ops.gather_object.__code__ is original, "import patched gather_object"
         try:
             ops.gather_object(["x"])

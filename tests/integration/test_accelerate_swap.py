@@ -209,7 +209,9 @@ def test_mixed_precision_becomes_the_compute_dtype_never_autocast(monkeypatch):
     assert not accelerator.native_amp  # accelerate's autocast would break SDPA attention on XLA
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` exports from the YAML
     assert XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin()).xla_fsdp_plugin.compute_dtype is torch.bfloat16
-    with pytest.raises(ConfigError, match="ACCELERATE_MIXED_PRECISION=bf16 and compute_dtype=float16 disagree"):
+    with pytest.raises(ConfigError, match=r"^fsdp_plugin=XlaFsdpPlugin\(compute_dtype=float16\) and "
+                                          r"ACCELERATE_MIXED_PRECISION=bf16 disagree: compute_dtype=float16 vs bfloat16; "
+                                          r"keep the setting in one place$"):
         XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin(compute_dtype="fp16"))
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     with pytest.raises(ConfigError, match="fp8 cannot be honoured"):

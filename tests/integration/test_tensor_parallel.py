@@ -5,6 +5,7 @@ the stock Trainer script. Other families and LoRA: test_tensor_parallel_models.p
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -19,7 +20,8 @@ DEVICES = 8
 
 def worker(*args: str, dump: Optional[Path] = None) -> dict:
     """One tp_worker.py scenario on 8 XLA:CPU devices; its JSON report. ``dump``: XLA writes its HLO there."""
-    env = {"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"} if dump else None
+    env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()} \
+        if dump else None
     res = run_python([WORKER, *args], devices=DEVICES, timeout=600, env=env)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -14,11 +14,17 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, USER_SCRIPTS, copy_sources, make_hook_venv, run_python
 
-from hf_xla_fsdp import ConfigError
-from hf_xla_fsdp.integrations.launched import launch_settings
+from hf_xla_fsdp import ConfigError, XlaFsdpPlugin
+from hf_xla_fsdp.config.resolve import launch_sources
 from hf_xla_fsdp.launch import compare_fingerprints, launch_fingerprint, split_command_line
 
 CONFIGS = USER_SCRIPTS / "configs"
+
+
+def launch_settings(argv=None, yaml=None, fsdp_config=None):
+    """What the launcher resolves from the script's flags, the YAML and its own --fsdp_config (None: no settings)."""
+    sources = launch_sources(argv, yaml, fsdp_config)
+    return XlaFsdpPlugin.resolve(sources) if sources else None
 PTH = ROOT / "hf_xla_fsdp" / "hf_xla_fsdp_hook.pth"
 
 
@@ -104,8 +110,9 @@ def _bad(tmp_path, case):
     script = tmp_path / "touches_device.py"
     script.write_text(TOUCHES_DEVICE_FIRST.format(out=tmp_path / "out"))
     if case == "v2 in code, in a spawned v1 process":  # xmp.spawn's process took the device in replica mode
-        return (["--num_processes", "1", "--fsdp_config", '{"xla": true}', str(script)],
-                "FSDP v2 needs SPMD before the XLA device is first used")
+        # (with the launcher's own --fsdp_config saying v1 this is a conflict of two settings sources, refused before
+        # the device is touched: tests/unit/test_resolve.py)
+        return (["--num_processes", "1", str(script)], "FSDP v2 needs SPMD before the XLA device is first used")
     return [str(script)], "FSDP v2 needs SPMD before the XLA device is first used"
 
 

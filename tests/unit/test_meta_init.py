@@ -86,11 +86,11 @@ def test_blocks_are_materialized_one_at_a_time(llama_config, monkeypatch):
     seen = []
     real = XlaFsdpV1.wrap_block
 
-    def spy(self, block, plugin, nested):
+    def spy(self, block, plugin, nested, **kwargs):
         model_meta = sum(p.is_meta for p in spy.model.parameters())
         block_meta = sum(p.is_meta for p in block.parameters())
         seen.append((block_meta, model_meta))
-        return real(self, block, plugin, nested)
+        return real(self, block, plugin, nested, **kwargs)
 
     real_skeleton = meta_init.build_skeleton
 

@@ -315,6 +315,72 @@ def test_checkpoint_package_never_imports_torch_xla() -> None:
         pytest.fail("torch_xla imported in the checkpoint package:\n  " + "\n  ".join(found), pytrace=False)
 
 
+# ---------------------------------------------------------------- only engines/ knows which engine runs
+
+
+def _mentions_version(node: ast.AST) -> bool:
+    return any((isinstance(n, ast.Attribute) and n.attr == "version") or (isinstance(n, ast.Name) and n.id == "version")
+               or (isinstance(n, ast.Constant) and n.value == "version") for n in ast.walk(node))
+
+
+def engine_tests(path: Path) -> Iterator[str]:
+    """``path:line: code`` for every place in ``path`` that tests which engine runs: a comparison of the ``version``
+    with a number (``plugin.version == 2``, ``version != 1``), an engine class or module named outside the registry
+    (``XlaFsdpV1``, ``engines.v2``), or a registry entry picked by number (``ENGINES[2]``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    source = path.read_text(encoding="utf-8").splitlines()
+    for node in ast.walk(tree):
+        found = False
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            found = any(isinstance(o, ast.Constant) and type(o.value) is int for o in operands) and any(
+                _mentions_version(o) for o in operands)
+        elif isinstance(node, ast.Name):
+            found = node.id in ("XlaFsdpV1", "XlaFsdpV2")
+        elif isinstance(node, (ast.ImportFrom, ast.Import)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            names += [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            found = any(n.split(".")[-1] in ("v1", "v2") and "engines" in (getattr(node, "module", "") or n)
+                        for n in names)
+        elif isinstance(node, ast.Subscript):
+            found = isinstance(node.value, ast.Name) and node.value.id == "ENGINES" and isinstance(node.slice, ast.Constant)
+        if found:
+            yield f"{_shown(path)}:{node.lineno}: {source[node.lineno - 1].strip()}"
+
+
+def test_only_the_engines_test_which_engine_runs(tmp_path: Path) -> None:
+    """Code outside engines/ asks the engine (``engine_for(plugin)``, ``engine_of(model)``, the session) and never
+    branches on which engine it is: a new engine is a module in engines/ and an entry in the plugin's tables."""
+    engines_dir = PACKAGE_DIR / "engines"
+    files = [p for p in sorted(PACKAGE_DIR.rglob("*.py")) if not p.is_relative_to(engines_dir)]
+    found = [hit for path in files for hit in engine_tests(path)]
+    if found:
+        pytest.fail("which engine runs is tested outside engines/:\n  " + "\n  ".join(found), pytrace=False)
+    # the check itself finds what it is for
+    probe = tmp_path / "probe.py"
+    probe.write_text("from hf_xla_fsdp.engines.v2 import enable_spmd\nif plugin.version == 2:\n    pass\n"
+                     "if int(cfg.get('version', 1)) != 2:\n    pass\nENGINES[1]\nengine.spmd\n")
+    assert [hit.split(":")[1] for hit in engine_tests(probe)] == ["1", "2", "4", "6"]
+
+
+# ---------------------------------------------------------------- the architecture page names every module
+
+
+def test_every_module_is_named_in_the_architecture_page() -> None:
+    """docs/architecture.md's layout table names every module by its path in the package (``config/resolve.py``;
+    the top package's ``__init__`` as ``hf_xla_fsdp/__init__.py``), so the page cannot drift from the code."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = {line.split("|")[1].strip().strip("`") for line in page.splitlines() if line.startswith("| `")}
+    missing = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        shown = str(path.relative_to(PACKAGE_DIR))
+        if shown == "__init__.py":
+            shown = f"{PACKAGE}/__init__.py"
+        if shown not in rows:
+            missing.append(shown)
+    assert not missing, f"docs/architecture.md (Layout) does not name: {', '.join(missing)}"
+
+
 # ---------------------------------------------------------------- the installed wheel works
 
 

@@ -35,6 +35,8 @@ def test_dtype_strings(value, expected):
         (dict(min_num_params=-1), "min_num_params=-1 must be an integer >= 0"),
         (dict(min_num_params="lots"), "min_num_params='lots' must be an integer"),
         (dict(version=2, shard_param_on_dim_0=True), "shard_param_on_dim_0 applies to version=1"),
+        # FSDP v1 never reads replica_size: silently ignoring it would run plain FSDP where hybrid sharding was asked
+        (dict(version=1, replica_size=2), "replica_size applies to version=2 only; remove it for version=1"),
         (dict(version=3), "version=3 is not valid; allowed values: 1"),
         (dict(checkpoint_format="zip"), "checkpoint_format='zip' is not valid"),
         (dict(checkpoint_storage="nfs"), "checkpoint_storage='nfs' is not valid; allowed values: 'auto', 'shared'"),

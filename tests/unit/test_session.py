@@ -9,7 +9,7 @@ from helpers import tiny_llama
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin, upstream
 from hf_xla_fsdp.checkpoint.codec import codec_of
 from hf_xla_fsdp.engines import ENGINES, fsdp_units
-from hf_xla_fsdp.plugin import ENGINE_TITLES
+from hf_xla_fsdp.plugin import ENGINE_NAMES, ENGINE_TITLES
 
 
 def _count_engine_lookups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -48,6 +48,7 @@ def test_one_wrap_resolves_the_engine_once_and_tags_every_unit(monkeypatch):
 
 def test_plugin_versions_are_the_engines():
     assert {v: e.title for v, e in ENGINES.items()} == ENGINE_TITLES
+    assert {v: e.name for v, e in ENGINES.items()} == ENGINE_NAMES  # what export's model cards look titles up by
     with pytest.raises(ConfigError, match="version=3 is not valid; allowed values: 1 = FSDP v1"):
         XlaFsdpPlugin(version=3)
 

@@ -75,7 +75,7 @@ def test_stock_collator_batches_are_padded_with_pad_ids_masked_and_ignored_label
     stock = DataCollatorForLanguageModeling(tok, mlm=False)
     feats = features([5, 70, 33])
     plain = stock(feats)
-    padded = BucketPadder(stock, True)(feats)
+    padded = BucketPadder(stock, True, keep_first=False)(feats)
     assert type(padded) is type(plain) and plain["input_ids"].shape == (3, 70)
     assert {k: tuple(v.shape) for k, v in padded.items()} == {k: (3, 128) for k in ("input_ids", "attention_mask",
                                                                                      "labels")}
@@ -93,7 +93,7 @@ def test_padding_reads_the_pad_id_through_the_trainers_column_remover_and_from_t
 
     stock = DataCollatorForLanguageModeling(word_tokenizer(), mlm=False)
     wrapped = RemoveColumnsCollator(stock, ["input_ids"], logger=logging.getLogger("t"))
-    assert BucketPadder(wrapped, 64)(features([3, 4]))["input_ids"].shape == (2, 64)
+    assert BucketPadder(wrapped, 64, keep_first=False)(features([3, 4]))["input_ids"].shape == (2, 64)
 
     def collate(feats):  # no tokenizer anywhere: the model config's pad token
         return {"input_ids": torch.tensor([f["input_ids"] for f in feats])}
@@ -101,7 +101,7 @@ def test_padding_reads_the_pad_id_through_the_trainers_column_remover_and_from_t
     class Model(torch.nn.Module):
         config = LlamaConfig(pad_token_id=7, max_position_embeddings=100)
 
-    batch = BucketPadder(collate, True, models=lambda: [Model()])(features([90, 90]))
+    batch = BucketPadder(collate, True, models=lambda: [Model()], keep_first=False)(features([90, 90]))
     assert batch["input_ids"].shape == (2, 100)  # the next power of two (128) cut to the model's 100 positions
     assert (batch["input_ids"][:, 90:] == 7).all() and batch["attention_mask"][:, 90:].sum() == 0
     assert batch["attention_mask"][:, :90].all()  # added: padded and unpadded batches share one graph
@@ -138,7 +138,7 @@ def test_bucketed_batch_gives_the_same_loss_and_per_example_losses(side):
 
     with torch.no_grad():
         loss, each = per_example(stock(feats))
-        padded = BucketPadder(stock, True)(feats)
+        padded = BucketPadder(stock, True, keep_first=False)(feats)
         assert padded["input_ids"].shape == (3, 64)
         loss_b, each_b = per_example(padded)
     if side == "right":
@@ -251,14 +251,14 @@ def test_without_a_pad_token_input_ids_are_padded_with_eos_or_0_under_a_zero_mas
         ids = torch.tensor([f["input_ids"] for f in feats])
         return {"input_ids": ids, "labels": ids.clone()}
 
-    batch = BucketPadder(collate, True)(features([24, 24]))  # no tokenizer, no model: 0
+    batch = BucketPadder(collate, True, keep_first=False)(features([24, 24]))  # no tokenizer, no model: 0
     assert batch["input_ids"].shape == (2, 64) and (batch["input_ids"][:, 24:] == 0).all()
     assert (batch["labels"][:, 24:] == -100).all() and batch["attention_mask"][:, 24:].sum() == 0
 
     class Model(torch.nn.Module):
         config = GPT2Config(eos_token_id=9, n_positions=50)
 
-    batch = BucketPadder(collate, True, models=lambda: [Model()])(features([24, 24]))
+    batch = BucketPadder(collate, True, models=lambda: [Model()], keep_first=False)(features([24, 24]))
     assert batch["input_ids"].shape == (2, 50) and (batch["input_ids"][:, 24:] == 9).all()  # the model's eos id
     tok = word_tokenizer()
     tok.pad_token, tok.eos_token = None, "w5"
@@ -269,25 +269,26 @@ def test_without_a_pad_token_input_ids_are_padded_with_eos_or_0_under_a_zero_mas
         def __call__(self, feats):
             return collate(feats)
 
-    batch = BucketPadder(Blocks(), True)(features([24, 24]))
+    batch = BucketPadder(Blocks(), True, keep_first=False)(features([24, 24]))
     assert (batch["input_ids"][:, 24:] == tok.eos_token_id).all() and (batch["labels"][:, 24:] == -100).all()
 
 
-def test_a_refusal_in_the_loader_thread_is_raised_in_the_training_thread(monkeypatch):
+def test_a_field_without_a_known_padding_leaves_its_batches_unpadded_with_one_warning(monkeypatch, caplog):
     monkeypatch.setattr(shapes, "compile_count", lambda: 0)
-    errors: list = []
+    monkeypatch.setattr(shapes, "_WARNED", set())
 
     def collate(feats):
         ids = torch.tensor([f["input_ids"] for f in feats])
         return {"weights": torch.ones(ids.shape), "input_ids": ids}
 
-    loader = torch.utils.data.DataLoader(features([5, 5]), batch_size=2, collate_fn=collate)
-    shapes.pad_loader(loader, True, errors=errors)
-    batch = next(iter(loader))  # the collator itself never raises (a loader thread would lose the error) ...
-    assert batch["input_ids"].shape == (2, 5) and len(errors) == 1
+    loader = torch.utils.data.DataLoader(features([5, 5, 7, 7, 9, 9]), batch_size=2, collate_fn=collate)
+    shapes.pad_loader(loader, True, errors=(errors := []))
     shapes.watch_loader(loader, RecompileWatch(True, errors=errors))
-    with pytest.raises(ConfigError, match="pad_to_buckets cannot pad the batch's 'weights'"):
-        list(loader)  # ... the watched loader raises it where the training loop runs
+    with caplog.at_level(logging.WARNING, logger=shapes.__name__):
+        lengths = [b["input_ids"].shape[1] for b in loader]  # never an error, in any thread
+    assert lengths == [5, 7, 9] and not errors  # as the collator made them
+    warned = [r.getMessage() for r in caplog.records if "pad_to_buckets" in r.getMessage()]
+    assert len(warned) == 1 and "'weights' unpadded" in warned[0] and "compiles the training step again" in warned[0]
 
 
 @pytest.mark.parametrize("kind", ["torch_xla", "accelerate"])
@@ -324,3 +325,163 @@ def test_a_failure_of_the_host_loader_in_the_device_loaders_thread_is_raised_not
         # the batches read before the failure were used (accelerate's loader reads one batch ahead)
         assert seen == ([2] if kind == "accelerate" else [2, 2])
     assert loader._loader is host and len(loader) == 4  # the user's loader, unchanged
+
+
+# ----------------------------------------------------------------------------- every collator of the HF stack
+# For each collator transformers and TRL ship, a batch it makes and the same batch bucketed give the same loss: float32
+# on the CPU, the padding hidden by the attention mask (or, for padding-free batches, a sequence of its own after the
+# last), -100 labels or a causal mask; the difference is summation order in the longer rows only (1e-5 covers it: the
+# losses are ~5 and differ by < 1e-6 here). Padding-free batches also keep every real token's logits.
+LOSS_TOLERANCE = 1e-5
+
+
+def _llama():
+    from helpers import tiny_llama
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama(max_position_embeddings=256)).eval()
+
+
+def _same_loss(model, batch, padded, *, logits_of_real_tokens=False):
+    with torch.no_grad():
+        out, out_b = model(**batch), model(**padded)
+    assert out_b.loss.item() == pytest.approx(out.loss.item(), abs=LOSS_TOLERANCE)
+    if logits_of_real_tokens:
+        n = batch["input_ids"].shape[1]
+        assert torch.allclose(out_b.logits[:, :n], out.logits, atol=LOSS_TOLERANCE), \
+            (out_b.logits[:, :n] - out.logits).abs().max()
+
+
+def test_transformers_mlm_collator_pads_and_keeps_the_loss():
+    from helpers import tiny_bert
+    from transformers import BertForMaskedLM, DataCollatorForLanguageModeling
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(tiny_bert()).eval()
+    tok = word_tokenizer()
+    tok.mask_token = "w125"
+    stock = DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.3, seed=0)
+    batch = stock(features([9, 30, 17], seed=2))
+    padded = pad_batch(batch, True, pad_token_id=0)
+    assert padded["input_ids"].shape == (3, 64) and (padded["labels"][:, 30:] == -100).all()
+    _same_loss(model, batch, padded)
+
+
+def test_transformers_padding_collator_with_token_type_ids_and_sequence_labels():
+    from helpers import tiny_bert
+    from transformers import BertForSequenceClassification, DataCollatorWithPadding
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(tiny_bert(num_labels=3)).eval()
+    feats = [{**f, "token_type_ids": [0] * 4 + [1] * (len(f["input_ids"]) - 4), "labels": i % 3}
+             for i, f in enumerate(features([9, 30, 17], seed=3))]
+    batch = DataCollatorWithPadding(word_tokenizer())(feats)
+    padded = BucketPadder(DataCollatorWithPadding(word_tokenizer()), True, keep_first=False)(feats)
+    assert padded["token_type_ids"].shape == (3, 64) and (padded["token_type_ids"][:, 30:] == 0).all()
+    assert padded["labels"].shape == (3,)  # one label per example: not a per-token field
+    _same_loss(model, batch, padded)
+
+
+def test_transformers_seq2seq_collator_pads_inputs_labels_and_decoder_inputs():
+    from transformers import DataCollatorForSeq2Seq, T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                num_heads=4, pad_token_id=0, decoder_start_token_id=0)).eval()
+    feats = [{"input_ids": f["input_ids"], "labels": g["input_ids"]}
+             for f, g in zip(features([9, 30, 17], seed=4), features([5, 12, 3], seed=5))]
+    stock = DataCollatorForSeq2Seq(word_tokenizer(), model=model)
+    batch = stock(feats)
+    padded = BucketPadder(stock, True, keep_first=False)(feats)
+    assert {k: tuple(v.shape) for k, v in padded.items()} == {
+        "input_ids": (3, 64), "attention_mask": (3, 64), "labels": (3, 64), "decoder_input_ids": (3, 64)}
+    assert (padded["decoder_input_ids"][:, 12:] == 0).all() and (padded["labels"][:, 12:] == -100).all()
+    _same_loss(model, batch, padded)
+
+
+def test_transformers_flattening_collator_pads_a_sequence_of_its_own():
+    from transformers import DataCollatorWithFlattening
+
+    stock = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+    batch = stock(features([9, 30, 17], seed=6))  # 56 tokens in one row, positions restarting, no attention mask
+    padded = BucketPadder(stock, True, keep_first=False)(features([9, 30, 17], seed=6))
+    assert "attention_mask" not in padded  # a mask would hide the sequence boundaries from the model
+    assert padded["input_ids"].shape == (1, 64)
+    assert padded["position_ids"][0, 56:].tolist() == list(range(8))
+    assert padded["seq_idx"][0, 56:].tolist() == [3] * 8 and padded["seq_idx"].dtype == batch["seq_idx"].dtype
+    # the padding ends one more sequence; the entry count goes to 64 with empty sequences (a bounded shape)
+    assert padded["cu_seq_lens_q"].tolist() == [0, 9, 39, 56] + [64] * 60 and padded["max_length_q"] == 30
+    _same_loss(_llama(), {k: v for k, v in batch.items() if not k.startswith(("cu_", "max_", "seq_"))},
+               {k: v for k, v in padded.items() if not k.startswith(("cu_", "max_", "seq_"))},
+               logits_of_real_tokens=True)
+
+
+@pytest.mark.parametrize("mode", ["packing", "padding_free", "padded", "padded_position_ids"])
+def test_trl_sft_collator_batches_pad_and_keep_the_loss(mode):
+    """TRL's SFT collator: packing (bfd: padding-free rows of packed sequences), padding_free, and padded batches
+    with and without position_ids."""
+    pytest.importorskip("trl")
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    feats = features([9, 30, 17, 12], seed=7)
+    if mode == "packing":  # what TRL's bfd packing makes: rows of several sequences, with their lengths
+        feats = [{"input_ids": feats[0]["input_ids"] + feats[1]["input_ids"], "seq_lengths": [9, 30]},
+                 {"input_ids": feats[2]["input_ids"] + feats[3]["input_ids"], "seq_lengths": [17, 12]}]
+    stock = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=mode in ("packing", "padding_free"),
+                                            return_position_ids=mode == "padded_position_ids")
+    batch = stock(feats)
+    padded = BucketPadder(stock, True, keep_first=False)(feats)
+    length = padded["input_ids"].shape[1]
+    assert length == 128 if mode in ("packing", "padding_free") else length == 64
+    if mode in ("packing", "padding_free"):
+        assert "attention_mask" not in padded and padded["cu_seq_lens_k"][-1] == length
+        assert padded["cu_seq_lens_k"].shape == (64,) and padded["cu_seq_lens_k"].dtype == torch.int32
+        assert padded["seq_idx"][0, -1] == batch["seq_idx"][0, -1] + 1
+    model = _llama()
+    model_inputs = ("input_ids", "labels", "attention_mask", "position_ids")
+    _same_loss(model, {k: v for k, v in batch.items() if k in model_inputs},
+               {k: v for k, v in padded.items() if k in model_inputs}, logits_of_real_tokens=True)
+
+
+def test_per_token_masks_of_trl_and_transformers_pad_with_their_neutral_value():
+    ids = torch.ones(2, 10, dtype=torch.long)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": torch.ones_like(ids),
+             "assistant_masks": torch.ones_like(ids), "special_tokens_mask": torch.zeros_like(ids),
+             "mm_token_type_ids": torch.ones_like(ids), "decoder_attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    padded = pad_batch(batch, True, pad_token_id=0)
+    for key, fill in (("completion_mask", 0), ("assistant_masks", 0), ("special_tokens_mask", 1),
+                      ("mm_token_type_ids", 0), ("attention_mask", 0)):
+        assert padded[key].shape == (2, 64) and (padded[key][:, 10:] == fill).all(), key
+    assert padded["decoder_attention_mask"].shape == (2, 64) and padded["decoder_attention_mask"][:, 5:].sum() == 0
+
+
+def test_batches_of_a_fixed_length_pass_untouched():
+    """run_clm's blocks (default_data_collator), padding to max_length, TRL's wrapped packing: a loader over rows of
+    one length gives the collator's own batches, never padded to a bucket (32 -> 64 would double the step's work);
+    rows of varied length are bucketed from the first batch; rows it cannot see keep the loader's first length."""
+    from datasets import Dataset
+    from transformers import DataCollatorForLanguageModeling, default_data_collator
+
+    def loader(rows, collate, **kw):
+        return shapes.pad_loader(torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collate, **kw), True)
+
+    blocks = Dataset.from_list([{"input_ids": f["input_ids"], "labels": f["input_ids"]}
+                                for f in features([32] * 6, seed=8)])
+    for got, made in zip(loader(blocks, default_data_collator),
+                         torch.utils.data.DataLoader(blocks, batch_size=2, collate_fn=default_data_collator)):
+        assert set(got) == set(made) and all(torch.equal(got[k], made[k]) for k in made)  # no mask added either
+    stock = DataCollatorForLanguageModeling(word_tokenizer(), mlm=False)
+    varied = Dataset.from_list(features([5, 9, 70, 3]))
+    assert shapes.rows_vary_in_length(varied) and not shapes.rows_vary_in_length(blocks)
+    assert [b["input_ids"].shape[1] for b in loader(varied, stock)] == [64, 128]
+
+    class Stream(torch.utils.data.IterableDataset):  # rows it cannot see: the first length is kept
+        def __iter__(self):
+            yield from features([32, 32, 20, 20], seed=9)
+
+    padder = BucketPadder(stock, True)
+    out = [padder(list(pair)) for pair in zip(*[iter(Stream())] * 2)]
+    assert [b["input_ids"].shape[1] for b in out] == [32, 64]
+    assert out[1]["attention_mask"][:, 20:].sum() == 0
+    assert padder(features([32, 32]))["attention_mask"].all()  # the first length again: unpadded, masked like the rest

@@ -105,8 +105,8 @@ def test_planner_proposes_the_smallest_tensor_size_that_fits():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--version", "2", "--tensor-parallel-size", "3"], "tensor_parallel_size=3 = 3 does not divide the 256 chips"),
-    (["--version", "2", "--tensor-parallel-size", "16"], "does not divide num_key_value_heads=8"),
+    (["--fsdp-version", "2", "--tensor-parallel-size", "3"], "tensor_parallel_size=3 = 3 does not divide the 256 chips"),
+    (["--fsdp-version", "2", "--tensor-parallel-size", "16"], "does not divide num_key_value_heads=8"),
     (["--tensor-parallel-size", "2"], "tensor_parallel_size applies to version=2 only"),
 ])
 def test_planner_bad_input_exits_2_with_one_line(capsys, args, message):

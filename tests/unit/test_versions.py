@@ -114,7 +114,9 @@ def test_env_json_reports_versions_devices_and_the_combination(env_json):
     for package in cli.ENV_PACKAGES:
         expected = __version__ if package == "hf_xla_fsdp" else installed[package] or "not installed"
         assert env_json["versions"][package] == expected
-    assert env_json["tested_combination"] is (upstream.version_warning(installed, __version__) is None)
+    # "tested" is a combination the suite ran (constraints/oldest.txt, constraints/tested.txt), not any mix inside
+    assert env_json["tested_combination"] is (upstream.tested_combination(installed) is not None)
+    assert env_json["in_tested_ranges"] is (upstream.version_warning(installed, __version__) is None)
     devices = env_json["devices"]
     assert "error" not in devices, devices
     import torch_xla.runtime as xr
