@@ -9,12 +9,13 @@ the CPU looks for a ``torch.xla`` module and fails (TRL turns checkpointing on b
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import USER_SCRIPTS, run_python
+from helpers import ROOT, USER_SCRIPTS, run_python
 from trl_helpers import WORDS, save_tiny_model
 
 pytest.importorskip("trl")
@@ -24,6 +25,7 @@ STEPS = 4
 # the same settings for stock and ours: fp32 (bf16 is TRL's default), logging every step, checkpoints at 2 and 4
 COMMON = ["--max_steps", str(STEPS), "--per_device_train_batch_size", "4", "--report_to", "none", "--logging_steps",
           "1", "--seed", "1", "--max_length", "16", "--disable_tqdm", "true", "--bf16", "false"]
+OFFICIAL_DPO = ROOT / "tests" / "official" / "dpo.py"  # TRL 1.16.0's trl/scripts/dpo.py, as published
 XLA_V1 = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True})]
 XLA_V2 = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True, "xla_fsdp_v2": True})]
 VARIANTS = {  # full fine-tuning against an explicit reference; LoRA with reference log-probs precomputed
@@ -209,3 +211,27 @@ def test_grpo_six_steps_compile_no_graph_after_step_two(llama, tmp_path_factory,
         model = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         assert torch.isfinite(_logits(model, len(WORDS))).all()
+
+
+def test_trl_dpo_script_unmodified_under_the_launcher(llama, tmp_path):
+    """TRL's own trl/scripts/dpo.py (tests/official/dpo.py, byte for byte) under `hf-xla-fsdp launch` on FSDP v1: the
+    script gives DPOTrainer the model's path (TRL builds policy and reference, here on meta and sharded); 2 steps
+    log their losses and the saved model loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+    from trl_helpers import preference_rows
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in preference_rows(16)))
+    out = tmp_path / "out"
+    env = {"HF_XLA_FSDP": None, "USE_HF_XLA_FSDP": None, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    res = run_python(["-m", "hf_xla_fsdp.cli", "launch", "--fsdp_config", '{"xla": true}', OFFICIAL_DPO,
+                      "--model_name_or_path", llama, "--dataset_name", data, "--output_dir", out, "--max_steps", "2",
+                      "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--logging_steps", "1",
+                      "--report_to", "none", "--max_length", "16", "--dtype", "float32", "--bf16", "false",
+                      "--save_strategy", "no", "--seed", "1"], env=env, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+    assert len(re.findall(r"'loss': ", res.stdout + res.stderr)) == 2, res.stdout[-2000:]  # logged every step
+    assert json.loads((out / "xla_fsdp_training.json").read_text())["engine"] == "xla_fsdp_v1"
+    with torch.no_grad():
+        assert torch.isfinite(_logits(AutoModelForCausalLM.from_pretrained(out), len(WORDS))).all()
