@@ -57,6 +57,7 @@ def test_a_trl_trainer_without_a_config_says_what_to_add(fresh):
         XlaFsdpGRPOTrainer("policy", lambda prompts, completions, **_: [0.0])
 
 
+@pytest.mark.xla  # bf16 TrainingArguments on the CPU are XLA's (stock transformers refuses them without it)
 def test_model_init_kwargs_dtype_is_one_settings_source(fresh, tmp_path):
     from transformers import TrainingArguments
 
