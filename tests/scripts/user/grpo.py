@@ -33,7 +33,7 @@ class CompilesPerStep(TrainerCallback):
     """Test instrumentation, per step: everything XLA compiled (torch_xla's CompileTime metric) and the graphs of the
     computation among it (the UncachedCompile counter: graphs not found in the graph cache). Under SPMD the two
     differ by the small programs torch_xla compiles, uncached, whenever a sharded tensor is read to the host
-    (ReplicateShardedData: TRL's host reads and CPU fallbacks of batch-sharded tensors)."""
+    (ReplicateShardedData)."""
 
     def __init__(self) -> None:
         self.per_step: list[int] = []
