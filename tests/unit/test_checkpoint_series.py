@@ -1,6 +1,7 @@
 """The checkpoint policy every entry point shares (checkpoint/layout.py CheckpointSeries): naming, which checkpoint is
 the latest (complete ones only), rotation (never an incomplete one, never the newest complete one or a protected one).
-The Trainer and XlaFsdpAccelerator use it: tests/integration/test_checkpoint_policy.py (this file is test_checkpoint_series.py: pytest needs unique basenames)."""
+The Trainer and XlaFsdpAccelerator use it: tests/integration/test_checkpoint_policy.py (this file is
+test_checkpoint_series.py: pytest needs unique basenames)."""
 
 from __future__ import annotations
 
