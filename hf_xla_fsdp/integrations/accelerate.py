@@ -152,7 +152,7 @@ class XlaFsdpAccelerator(Accelerator):
         data_loader = self.xla_fsdp_session.pad_batches(data_loader, models=lambda: self._models)  # pad_to_buckets
         loader = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                              slice_fn_for_dispatch=slice_fn_for_dispatch)
-        return throughput.observe_loader(self.xla_fsdp_session.prepare_loader(loader), self._throughput_meter)
+        return throughput.observe_loader(self.xla_fsdp_session.prepare_loader(loader), self._training_meter)
 
     # ----------------------------------------------------------------- throughput
     def _throughput_meter(self) -> Optional[throughput.Throughput]:
@@ -161,6 +161,11 @@ class XlaFsdpAccelerator(Accelerator):
             meter = self._xla_fsdp_throughput = throughput.Throughput.for_model(self._models[0],
                                                                                 self.xla_fsdp_session.unwrap)
         return meter
+
+    def _training_meter(self) -> Optional[throughput.Throughput]:
+        # an evaluation loop's batches (the model in eval mode) are not training tokens
+        meter = self._throughput_meter()
+        return meter if meter is not None and self._models[0].training else None
 
     def throughput(self) -> dict[str, float]:
         """Tokens per second (global and per device), TFLOP/s per device, MFU where the device's peak is known, and

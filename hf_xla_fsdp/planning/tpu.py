@@ -71,10 +71,12 @@ TPU_GENERATIONS: dict[str, TpuGeneration] = {
 
 
 def generation_for_device_kind(kind: Optional[str]) -> Optional[TpuGeneration]:
-    """The TPU generation whose chips the runtime reports as ``kind`` (``xm.xla_device_kind()``); None for any
-    other device (XLA:CPU reports ``cpu``)."""
+    """The TPU generation whose chips the runtime reports as ``kind`` (``xm.xla_device_kind()``), or whose name or
+    alias ``kind`` is (a slice's accelerator type, as read under SPMD: ``v5litepod``); None for any other device
+    (XLA:CPU reports ``cpu``)."""
     wanted = str(kind or "").strip().lower()
-    return next((g for g in TPU_GENERATIONS.values() if wanted in (k.lower() for k in g.device_kinds)), None)
+    return next((g for g in TPU_GENERATIONS.values()
+                 if wanted in (*(k.lower() for k in g.device_kinds), g.name, *g.aliases)), None)
 
 
 @dataclass(frozen=True)

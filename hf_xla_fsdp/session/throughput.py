@@ -46,10 +46,28 @@ KEYS = ("tokens_per_second", "tokens_per_second_per_device", "tflops_per_second_
 
 
 def device_kind() -> str:
-    """The kind of this process's XLA device as the PJRT runtime reports it (``TPU v5 lite``; ``cpu`` on XLA:CPU)."""
-    import torch_xla.core.xla_model as xm
+    """The kind of this process's XLA device as the PJRT runtime reports it (``TPU v5 lite``; ``cpu`` on XLA:CPU).
 
-    return xm.xla_device_kind()
+    Under SPMD (FSDP v2) the process's device is a virtual one the runtime gives no kind (``Unknown device SPMD:0``):
+    on TPU the slice's accelerator type names the generation instead (``v5litepod``, ``v6e``: torch_xla reads it from
+    the TPU VM's metadata), elsewhere the runtime's device type (``cpu``). Never raises: a kind it cannot read is
+    ``unknown`` (no MFU; tokens per second are logged all the same)."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    try:
+        return xm.xla_device_kind()
+    except RuntimeError:  # the SPMD virtual device
+        pass
+    try:
+        if xr.device_type() == "TPU":
+            from torch_xla._internal import tpu
+
+            return tpu.get_tpu_type()
+        return str(xr.device_type()).lower()
+    except Exception as err:  # noqa: BLE001 - no metadata server, an unknown runtime: no MFU, nothing else lost
+        logger.info("throughput: the device kind cannot be read (%s: %s)", type(err).__name__, err)
+        return "unknown"
 
 
 def _waits() -> tuple[int, float]:

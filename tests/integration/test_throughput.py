@@ -43,6 +43,8 @@ def test_tpu_device_kinds_name_their_generation_and_peak():
     assert generation_for_device_kind("TPU v5 lite").peak_bf16_flops == V5E_PEAK
     assert generation_for_device_kind("TPU v4").name == "v4" and generation_for_device_kind("TPU v5").name == "v5p"
     assert generation_for_device_kind("TPU v6 lite").peak_bf16_flops == 918e12
+    # under SPMD the runtime names no device kind: the TPU slice's accelerator type (torch_xla's get_tpu_type) does
+    assert generation_for_device_kind("v5litepod").name == "v5e" and generation_for_device_kind("v6e").name == "v6e"
     assert generation_for_device_kind("cpu") is None and generation_for_device_kind(None) is None
     assert all(g.peak_bf16_flops > 0 and g.device_kinds for g in TPU_GENERATIONS.values())
 
@@ -172,6 +174,11 @@ def test_accelerator_log_adds_throughput(monkeypatch):
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():  # an evaluation pass over a prepared loader: not training tokens, not steps
+        [model(**batch).loss for batch in loader]
+    model.train()
+    assert accelerator._throughput_meter()._steps == 4
     loss.item()  # as a logging loop reads its loss before it logs
     accelerator.log({"loss": 1.0}, step=4)
     values = logged[-1]
