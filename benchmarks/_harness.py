@@ -78,7 +78,8 @@ def run_json_child(args: Sequence[object], *, name: str, env: Mapping[str, str] 
     """
     start = time.perf_counter()
     argv, full_env = [str(a) for a in args], child_env(env)
-    if os.environ.get(FORK_ENV) == "1" and not _xla_runtime_started():
+    # only a script runs as a fork's __main__; ``-c``/``-m`` children start an interpreter as users would
+    if os.environ.get(FORK_ENV) == "1" and not argv[0].startswith("-") and not _xla_runtime_started():
         returncode, stdout, stderr = run_forked(argv, full_env, new_group=False)
     else:
         res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=full_env, check=False)

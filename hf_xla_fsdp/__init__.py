@@ -5,9 +5,9 @@ from typing import Any
 from .errors import CheckpointError, ConfigError, PushError, XlaFsdpError
 
 __version__ = "0.3.0"
-__all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", "XlaFsdpError", "XlaFsdpPlugin",
-           "XlaFsdpSFTTrainer", "XlaFsdpSession", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd", "export",
-           "xla_fsdp_trainer", "__version__"]
+__all__ = ["CheckpointError", "ConfigError", "PushError", "XlaFsdpAccelerator", "XlaFsdpDPOTrainer", "XlaFsdpError",
+           "XlaFsdpGRPOTrainer", "XlaFsdpPlugin", "XlaFsdpRewardTrainer", "XlaFsdpSFTTrainer", "XlaFsdpSession",
+           "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "enable_spmd", "export", "xla_fsdp_trainer", "__version__"]
 
 # one warning line when an installed package lies outside the range the tests ran with (metadata only: cheap)
 from .upstream import check_versions as _check_versions  # noqa: E402
@@ -20,7 +20,8 @@ _check_versions(__version__)
 _LAZY = {"XlaFsdpPlugin": "plugin", "enable_spmd": "engines.v2", "XlaFsdpSession": "session",
          "XlaFsdpTrainer": "integrations.trainer", "XlaFsdpTrainerMixin": "integrations.trainer",
          "xla_fsdp_trainer": "integrations.trainer", "XlaFsdpAccelerator": "integrations.accelerate",
-         "XlaFsdpSFTTrainer": "integrations.trl"}
+         "XlaFsdpSFTTrainer": "integrations.trl", "XlaFsdpDPOTrainer": "integrations.trl",
+         "XlaFsdpGRPOTrainer": "integrations.trl", "XlaFsdpRewardTrainer": "integrations.trl"}
 
 
 def __getattr__(name: str) -> Any:

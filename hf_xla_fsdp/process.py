@@ -49,6 +49,8 @@ class ProcessState:
     upstream_gather_object: Optional[Callable[[Any], Any]] = None
     #: what the patched gather_object runs on XLA
     gather_object_on_xla: Optional[Callable[[Any], list]] = None
+    #: accelerate's own extract_model_from_parallel body, run on the module inside our units once patched
+    upstream_extract_model: Optional[Callable[..., Any]] = None
     #: a Trainer class -> the same class with the XLA FSDP mixin first (integrations.trainer.xla_fsdp_trainer)
     trainer_classes: dict = field(default_factory=dict)
 

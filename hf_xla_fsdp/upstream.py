@@ -101,8 +101,21 @@ RELIED_ON: tuple[Upstream, ...] = (
     _a(f"{_ACCELERATOR}.save_iteration", None, "automatic checkpoint naming"),
     _a("accelerate.state:GradientState.is_xla_gradients_synced", None, "no second gradient all-reduce"),
     _a("accelerate.commands.config:default_config_file", None, "the YAML of a launch without --config_file"),
+    _a("accelerate.utils.other:extract_model_from_parallel",
+       ("model", "keep_fp32_wrapper", "keep_torch_compile", "recursive"),
+       "patched (its code, when an XlaFsdpAccelerator is built): sees through XLA FSDP units (is_peft_model)"),
     _a("accelerate.utils.operations:gather_object", ("object",),
        "patched (its code, when an XlaFsdpAccelerator is built): gathers objects on XLA instead of raising"),
+    # trl: what a TRL trainer's __init__ builds models with, replaced while it runs (integrations/trl_hooks.py)
+    Upstream("trl", "trl", "trl.trainer.utils:create_model_from_path", ("model_id", "architecture", "kwargs"),
+             "policy and reference models built block by block on meta"),
+    *(Upstream("trl", "trl", f"trl.trainer.{module}:create_model_from_path", None,
+               "the name the trainer's module calls, replaced while its __init__ runs")
+      for module in ("sft_trainer", "dpo_trainer", "grpo_trainer", "reward_trainer")),
+    Upstream("trl", "trl", "trl.trainer.grpo_trainer:AutoModelForSequenceClassification", None,
+             "reward models named by path built in evaluation mode"),
+    Upstream("peft", "trl", "peft:get_peft_model", ("model", "peft_config"),
+             "adapters attached on meta handed to TRL's call", override=False),
     # torch_xla: FSDP v1 units cut each shard on the host
     Upstream("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
              "XlaFullyShardedDataParallel._shard_parameters_", ("params_to_shard",),

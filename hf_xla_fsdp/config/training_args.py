@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from ..errors import ConfigError
 from .resolve import Source, current_launch_sources, flag_source, names_settings, plugin_source, precision_source, read_settings
@@ -63,13 +63,15 @@ def adjust_arguments(args: Any) -> None:
             setattr(args, name, False)
 
 
-def trainer_settings(args: Any, fsdp_plugin: Optional["XlaFsdpPlugin"] = None) -> "XlaFsdpPlugin":
+def trainer_settings(args: Any, fsdp_plugin: Optional["XlaFsdpPlugin"] = None,
+                     extra: Sequence[Source] = ()) -> "XlaFsdpPlugin":
     """The settings of an XLA FSDP Trainer, by the one conflict rule: the launch's (in a launched script), ``args``'
-    (:func:`training_args_sources`) and ``fsdp_plugin``'s; then ``args`` are adjusted (:func:`adjust_arguments`)."""
+    (:func:`training_args_sources`), ``extra`` (what the trainer class reads from its own config, e.g. TRL's
+    ``model_init_kwargs`` dtype) and ``fsdp_plugin``'s; then ``args`` are adjusted (:func:`adjust_arguments`)."""
     from ..plugin import XlaFsdpPlugin
 
     launch = current_launch_sources()
-    sources = [*(launch or []), *training_args_sources(args)]
+    sources = [*(launch or []), *training_args_sources(args), *extra]
     if fsdp_plugin is not None:
         sources.append(plugin_source(fsdp_plugin))
     if launch is None and not names_settings(sources):

@@ -53,6 +53,7 @@ class XlaFsdpAccelerator(Accelerator):
         session.setup_runtime()  # before accelerate's state looks at the devices (FSDP v2: one process, every device)
         super().__init__(*args, **kwargs)
         patches.patch_gather_object(runtime.all_gather_objects)  # upstream raises NotImplementedError on XLA
+        patches.patch_extract_model()  # accelerate's is_peft_model (TRL's LoRA reference) sees through our units
         self.xla_fsdp_session = session
         session.checkpoints.barrier = lambda tag: self.wait_for_everyone()
         if own:  # a Trainer's session has its progress setting already

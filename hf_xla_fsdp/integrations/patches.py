@@ -9,12 +9,14 @@
   FSDP versions (what they build is :mod:`.launched`'s decision).
 * accelerate's ``gather_object`` (:func:`patch_gather_object`): it raises ``NotImplementedError`` on XLA; patched, it
   gathers there.
+* accelerate's ``extract_model_from_parallel`` (:func:`patch_extract_model`): it sees through XLA FSDP units (so
+  ``is_peft_model`` finds a LoRA policy inside them, as TRL asks it to pick the adapters-disabled reference).
 
 Who opts in: importing the Trainer integration (the one-line swap) patches ``TrainingArguments``; building an
-``XlaFsdpAccelerator`` patches ``gather_object``; ``hf-xla-fsdp launch`` and the start-up hook (``HF_XLA_FSDP=1``)
-patch all of them (:func:`hf_xla_fsdp.integrations.launched.install_launch`). Which patches are installed is part of
-the process state (``process_state().patched``). ``HF_XLA_FSDP_AUTO_SPMD=0`` keeps ``TrainingArguments`` from
-readying the runtime (SPMD is then the script's business).
+``XlaFsdpAccelerator`` patches ``gather_object`` and ``extract_model_from_parallel``; ``hf-xla-fsdp launch`` and the
+start-up hook (``HF_XLA_FSDP=1``) patch all of them (:func:`hf_xla_fsdp.integrations.launched.install_launch`).
+Which patches are installed is part of the process state (``process_state().patched``). ``HF_XLA_FSDP_AUTO_SPMD=0``
+keeps ``TrainingArguments`` from readying the runtime (SPMD is then the script's business).
 """
 
 from __future__ import annotations
@@ -150,6 +152,49 @@ def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
         target.__code__ = _patched_gather_object.__code__
         state.patched.add("gather_object")
     state.gather_object_on_xla = on_xla
+
+
+# --------------------------------------------------------------------------- accelerate's extract_model_from_parallel
+def extract_dispatch(model: Any, *args: Any) -> Any:
+    """What accelerate's ``extract_model_from_parallel`` does once patched: an XLA FSDP unit gives the user's module
+    inside it first, then upstream's own code runs on that."""
+    from ..engines import unwrap
+
+    upstream = process_state().upstream_extract_model
+    assert upstream is not None  # set together with the patch
+    return upstream(unwrap(model), *args)
+
+
+def _patched_extract(model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True,
+                     recursive: bool = False) -> Any:
+    # as _patched_gather_object: only this code object is installed, into upstream's function
+    from hf_xla_fsdp.integrations.patches import extract_dispatch
+
+    return extract_dispatch(model, keep_fp32_wrapper, keep_torch_compile, recursive)
+
+
+def patch_extract_model() -> None:
+    """accelerate's ``extract_model_from_parallel`` sees through XLA FSDP units, however it was imported.
+
+    It is how accelerate (``is_peft_model``) and transformers (``unwrap_model``) find the model inside distributed
+    wrappers; TRL asks ``is_peft_model(trainer.model)`` to choose the reference of a LoRA run (the adapters disabled),
+    and our units are not among the wrappers upstream knows. Replaces the function's code, as
+    :func:`patch_gather_object` does; idempotent.
+    """
+    from accelerate.utils import other
+
+    state = process_state()
+    target = other.extract_model_from_parallel
+    if target.__code__ is _patched_extract.__code__:
+        return
+    names = target.__code__.co_varnames[:target.__code__.co_argcount]
+    if target.__code__.co_freevars or names != ("model", "keep_fp32_wrapper", "keep_torch_compile", "recursive"):
+        raise ConfigError("accelerate.utils.other.extract_model_from_parallel changed shape; hf_xla_fsdp cannot make it "
+                          "see through XLA FSDP units (`hf-xla-fsdp env` lists the supported accelerate versions)")
+    state.upstream_extract_model = types.FunctionType(target.__code__, target.__globals__, target.__name__,
+                                                      target.__defaults__, target.__closure__)
+    target.__code__ = _patched_extract.__code__
+    state.patched.add("extract_model_from_parallel")
 
 
 # --------------------------------------------------------------------------- lazy from_pretrained / from_config

@@ -10,6 +10,7 @@ private ``Trainer`` methods it overrides are listed in :mod:`hf_xla_fsdp.upstrea
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -32,6 +33,7 @@ from ..process import process_state
 from ..session import PreemptionGuard, XlaFsdpSession
 from ..session.throughput import Throughput
 from . import patches
+from .trl_hooks import PathModel, TrlModelHooks, is_trl_trainer, model_init_sources, reference_model
 
 upstream.require("trainer")  # the Trainer internals overridden below are there, as this module expects them
 logger = logging.getLogger(__name__)
@@ -92,29 +94,53 @@ class XlaFsdpTrainerMixin:
     ``gradient_checkpointing``) and, in a launched script, the launch's settings.
     """
 
-    def __init__(self, model: Union[nn.Module, PretrainedConfig, str, os.PathLike, None] = None,
-                 args: Optional[TrainingArguments] = None, *trainer_args: Any,
-                 fsdp_plugin: Optional[XlaFsdpPlugin] = None, **trainer_kwargs: Any) -> None:
-        if args is None:
-            raise ConfigError(f"{type(self).__name__} needs TrainingArguments with --fsdp and --fsdp_config "
-                              "(\"xla\": true)")
-        self.xla_fsdp_session = XlaFsdpSession(trainer_settings(args, fsdp_plugin))
-        self.xla_fsdp_session.checkpoints.progress = not args.disable_tqdm
+    def __init__(self, *args: Any, fsdp_plugin: Optional[XlaFsdpPlugin] = None, **kwargs: Any) -> None:
+        # the arguments as the subclass's own __init__ takes them (DPOTrainer(model, ref_model, args, ...),
+        # GRPOTrainer(model, reward_funcs, args, ...)), bound by name: the model and the arguments are found wherever
+        # that signature puts them, and everything is handed on in the same form
+        bound = trainer_arguments(type(self), args, kwargs)
+        params = bound.arguments
+        training_args, model = params.get("args"), params.get("model")
+        if training_args is None:
+            raise ConfigError(f"{type(self).__name__} needs TrainingArguments (or a TRL config) with --fsdp and "
+                              "--fsdp_config (\"xla\": true)")
+        trl = is_trl_trainer(type(self))
+        by_path = model is not None and not isinstance(model, nn.Module)
+        # TRL's model_init_kwargs dtype is one more settings source when TRL builds the policy (by the one rule)
+        extra = model_init_sources(training_args) if trl and by_path else []
+        self.xla_fsdp_session = XlaFsdpSession(trainer_settings(training_args, fsdp_plugin, extra))
+        self.xla_fsdp_session.checkpoints.progress = not training_args.disable_tqdm
         self.xla_fsdp_session.step_source = lambda: self.state.global_step  # named when a new graph compiles late
         self.xla_fsdp_session.setup_runtime(
-            counted_processes=args.world_size,
-            what=f"TrainingArguments (accelerate's PartialState, {args.world_size} process(es) counted)")
-        if model is not None and trainer_kwargs.get("peft_config") is not None and (
-                not isinstance(model, nn.Module) or lazy_state(model) is not None):
-            # TRL's peft_config with a model path: adapters attached on meta, the base read block by block (never
-            # whole on the host); the subclass then receives a PeftModel and attaches nothing itself
-            model = self._materialize(model, args, wrap_root=False, peft_config=trainer_kwargs.pop("peft_config"))
-            trainer_kwargs["peft_config"] = None
+            counted_processes=training_args.world_size,
+            what=f"TrainingArguments (accelerate's PartialState, {training_args.world_size} process(es) counted)")
+        if trl and by_path:  # TRL builds the policy from the path (TrlModelHooks.create_model_from_path, on meta)
+            self._check_model_source(model)
+            params["model"] = PathModel(model)
+        elif model is not None and params.get("peft_config") is not None and (
+                by_path or lazy_state(model) is not None):
+            # a peft_config with a model path (or a model loaded lazily): adapters attached on meta, the base read block
+            # by block (never whole on the host); the subclass then receives a PeftModel and attaches nothing itself
+            params["model"] = self._materialize(model, training_args, wrap_root=False, peft_config=params["peft_config"])
+            params["peft_config"] = None
         elif model is not None:
-            model = self._materialize(model, args, wrap_root=False)
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+            params["model"] = self._materialize(model, training_args, wrap_root=False)
+        # the other models a TRL trainer builds by path (reference, reward models) are built by the session too
+        hooks = TrlModelHooks(self.xla_fsdp_session, params["model"] if trl and by_path else None,
+                              params.get("peft_config") if trl and by_path else None, seed=training_args.seed,
+                              progress=training_args.should_log) if trl else None
+        with hooks.installed(type(self)) if hooks is not None else contextlib.nullcontext():
+            if hooks is not None and "ref_model" in bound.signature.parameters and by_path:
+                params["ref_model"] = reference_model(hooks, params.get("ref_model"), training_args)
+            super().__init__(*bound.args, **bound.kwargs)
+        if hooks is not None and hooks.precompute_only is not None and getattr(self, "ref_model", None) is hooks.precompute_only:
+            self.ref_model = None  # its log-probs are in the datasets now: the reference is freed before training
         if self.model is not None:
             self.model = self.model_wrapped = self.xla_fsdp_session.finish_wrapping(self.model)
+        if trl:  # GRPO / RLOO: rollouts generate in fixed shapes (integrations/rollout.py)
+            from .rollout import install
+
+            install(self)
         self._inspect_inner_model()
         # the stock XLA FSDP paths (v1 wrap in _wrap_model, v2's own ("fsdp", "tensor") mesh and batch sharding)
         # stay off: our session wraps the model, and our accelerator shards the batches in the dataloaders
@@ -202,21 +228,27 @@ class XlaFsdpTrainerMixin:
         self.can_return_loss = can_return_loss(inner)
 
     def _set_signature_columns_if_needed(self) -> None:
+        if _defined_below(type(self), "_set_signature_columns_if_needed") is not Trainer:
+            return super()._set_signature_columns_if_needed()  # the subclass's own columns (TRL's: its datasets')
         if self._signature_columns is None:
             # FSDP's forward(*args, **kwargs) hides the columns the model really takes
             self._signature_columns = list(inspect.signature(self._transformers_model().forward).parameters)
             self._signature_columns += list({"label", "label_ids", *self.label_names})
 
     # ----------------------------------------------------------------- the model
+    @staticmethod
+    def _check_model_source(model: Any) -> None:
+        if not isinstance(model, (nn.Module, PretrainedConfig, str, os.PathLike)):
+            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json, a local model directory "
+                              f"or a Hub id in the local cache, not {type(model).__name__}")
+
     def _materialize(self, model: Any, args: TrainingArguments, wrap_root: bool = True, peft_config: Any = None,
                      ) -> nn.Module:
         from transformers import set_seed
 
         if isinstance(model, nn.Module) and lazy_state(model) is None:
             return model if is_wrapped(model) or not wrap_root else self.xla_fsdp_session.wrap_model(model)
-        if not isinstance(model, (nn.Module, PretrainedConfig, str, os.PathLike)):
-            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json, a local model directory "
-                              f"or a Hub id in the local cache, not {type(model).__name__}")
+        self._check_model_source(model)
         if not isinstance(model, nn.Module) or peft_config is not None:  # a model loaded lazily is built, not drawn
             set_seed(args.seed)  # the same initial weights (adapters) as building after set_seed in run_clm (TRL)
         return self.xla_fsdp_session.build_model(model, progress=args.should_log, wrap_root=wrap_root,
@@ -397,6 +429,35 @@ class XlaFsdpTrainerMixin:
                        datasets=dataset, load_path=self.args.hub_model_id)
 
 
+def _defined_below(trainer_cls: type, name: str) -> Optional[type]:
+    """The first class after :class:`XlaFsdpTrainerMixin` in ``trainer_cls``'s MRO that defines ``name``."""
+    mro = trainer_cls.__mro__
+    start = mro.index(XlaFsdpTrainerMixin) + 1 if XlaFsdpTrainerMixin in mro else 0
+    return next((cls for cls in mro[start:] if name in cls.__dict__), None)
+
+
+def trainer_arguments(trainer_cls: type, args: tuple, kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    """``args`` and ``kwargs`` bound to the signature of the ``__init__`` ``trainer_cls``'s own classes define (after
+    our mixins; ``self`` excluded): the first one that names its parameters, passing over subclasses that only forward
+    ``*args, **kwargs``. A call that does not fit that signature fails as the subclass itself would (``TypeError``)."""
+    mro = trainer_cls.__mro__
+    start = mro.index(XlaFsdpTrainerMixin) + 1 if XlaFsdpTrainerMixin in mro else 0
+    init = None
+    for cls in mro[start:]:
+        if "__init__" not in cls.__dict__:
+            continue
+        params = list(inspect.signature(cls.__dict__["__init__"]).parameters.values())[1:]
+        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+            init = inspect.Signature(params)
+            break
+    if init is None:
+        raise ConfigError(f"{trainer_cls.__name__} defines no __init__ that names its parameters")
+    try:
+        return init.bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{trainer_cls.__name__}.__init__() {err}") from None
+
+
 class XlaFsdpTrainer(XlaFsdpTrainerMixin, Trainer):
     """A ``transformers.Trainer`` for PyTorch/XLA FSDP with meta init, sharded checkpoints and streaming saves
     (see :class:`XlaFsdpTrainerMixin`)."""
@@ -420,4 +481,4 @@ def xla_fsdp_trainer(trainer_cls: type) -> type:
 
 patches.patch_training_arguments()  # the one-line swap: TrainingArguments ready the runtime for their settings first
 
-__all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "xla_fsdp_trainer"]
+__all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "trainer_arguments", "xla_fsdp_trainer"]

@@ -113,9 +113,12 @@ def local_model_dir(name: Any, revision: Optional[str] = None, cache_dir: Any = 
 
 def resolve_source(source: Any) -> ModelSource:
     """Accept a ``PretrainedConfig``, a ``config.json`` path, a local model directory, or a Hub id whose snapshot is
-    in the local Hugging Face cache (offline: nothing is downloaded)."""
+    in the local Hugging Face cache (offline: nothing is downloaded); or a source resolved already, whose config a
+    caller may have adjusted."""
     from transformers import AutoConfig, PretrainedConfig
 
+    if isinstance(source, ModelSource):
+        return source
     if isinstance(source, PretrainedConfig):
         return ModelSource(config=source)
     path = Path(source)
@@ -463,6 +466,8 @@ class Materializer:
             seen.add(id(p))
         self._files: dict[Path, Any] = {}
         self.missing: list[str] = []
+        self.fresh: dict[str, torch.Tensor] = {}  # checkpoint key the checkpoint lacks -> the tensor initialized for it
+        self.filled: set[nn.Module] = set()
         self.cursor = 0  # next tape entry (deferred init draws)
         self.cursor_state = skeleton.tape_start_state
 
@@ -482,7 +487,9 @@ class Materializer:
         return [n for n in module._parameters if f"{prefix}{n}" in self.sk.tied_keys]
 
     def fill(self, modules: list[nn.Module]) -> None:
-        """Materialize and initialize the direct tensors of ``modules`` (given in post-order)."""
+        """Materialize and initialize the direct tensors of ``modules`` (given in post-order; each once)."""
+        modules = [m for m in modules if m not in self.filled]
+        self.filled.update(modules)
         _materialize_tensors(modules, self.memo, self.in_place)
         if self.sk.source.pretrained:
             self._load(modules)
@@ -565,6 +572,7 @@ class Materializer:
 
         weights = self.sk.source.weight_files
         tied_sources = dict(getattr(self.sk.model, "all_tied_weights_keys", None) or {})
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         with torch.no_grad():
             for module in modules:
                 prefix = self.names[module]
@@ -576,11 +584,19 @@ class Materializer:
                 for name, tensor in tensors:
                     key = self.key_of(f"{prefix}{name}")
                     if key is None:
+                        # an adapter's own tensor: peft's init fills it after this (init_adapters), as get_peft_model
+                        # does after from_pretrained; the model's _init_weights below must not draw for it
+                        tensor._is_hf_initialized = True
                         continue
                     # a separate copy of a tied weight (e.g. peft's modules_to_save of a tied lm_head) reads its source
                     key = key if key in weights else tied_sources.get(key, key)
                     if key not in weights:
-                        self.missing.append(key)
+                        if key in self.fresh:  # a second copy of a fresh tensor (peft's modules_to_save): copied,
+                            tensor._is_hf_initialized = True  # as get_peft_model copies it, not drawn again
+                            copies.append((tensor, self.fresh[key]))
+                        else:
+                            self.missing.append(key)
+                            self.fresh[key] = tensor
                         continue
                     stored = self._handle(weights[key]).read(key)
                     if stored.shape != tensor.shape:
@@ -594,6 +610,8 @@ class Materializer:
             with guard_torch_init_functions():
                 for module in modules:
                     self.owners[module]._init_weights(module)
+            for tensor, source in copies:
+                tensor.copy_(source)
 
     def close(self) -> None:
         """Release safetensors handles and report keys the checkpoint did not have."""
@@ -721,6 +739,10 @@ def _fill_and_wrap(sk: Skeleton, model: nn.Module, plan: BlockPlan, key_of: Any,
     blocks = [model.get_submodule(n) for n in plan.names]
     done: set[nn.Module] = set()
     filler = Materializer(sk, key_of)
+    if init_adapters is not None and sk.source.pretrained:
+        # eager from_pretrained initializes what the checkpoint lacks (e.g. a new classification head) before
+        # get_peft_model draws the adapters: the root's own tensors (kept on the host until the root unit anyway) first
+        filler.fill(_post_order(sk.model, stop=set(blocks)))
     for name, block in tqdm(list(zip(plan.names, blocks)), desc="materialize+shard blocks", disable=not progress,
                             unit="block"):
         modules = _post_order(block, stop=done)

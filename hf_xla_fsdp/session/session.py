@@ -211,14 +211,21 @@ class XlaFsdpSession:
         return self.engine.unwrap(model)
 
     def _wrap_block(self, block: nn.Module, nested: bool, *, evaluation_mode: bool = False) -> nn.Module:
-        return self.engine.wrap_block(block, self.plugin, nested, evaluation_mode=evaluation_mode)
+        # the keyword only when asked: an engine that wraps every model for training need not know it
+        mode = {"evaluation_mode": True} if evaluation_mode else {}
+        return self.engine.wrap_block(block, self.plugin, nested, **mode)
 
     def _wrap_root(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
         if self.plugin.scan_layers and getattr(getattr(model, "config", None), "use_cache", False):
             model.config.use_cache = False  # a KV cache cannot live in a scan: evaluation scans too
-        wrapped = self.engine.wrap_root(model, self.plugin, evaluation_mode=evaluation_mode)
+        mode = {"evaluation_mode": True} if evaluation_mode else {}
+        wrapped = self.engine.wrap_root(model, self.plugin, **mode)
         if self.plugin.scan_layers:
             self._install_scan(wrapped)
+        from ..modeling.routing import inner_modules, route_through_root
+
+        # unwrap_model(model)(...) and .generate() run through the root unit (which gathers its own shards)
+        route_through_root(wrapped, inner_modules(wrapped, self.engine.unwrap(wrapped)))
         return wrapped
 
     def _install_scan(self, wrapped: nn.Module) -> None:

@@ -226,17 +226,24 @@ def test_random_init_of_a_real_tensor_is_drawn_in_eager_order():
     assert torch.equal(unwrap(model).noise.cpu(), eager.noise)
 
 
-@pytest.mark.parametrize("init_lora_weights", [True, False])
-def test_lora_adapters_built_on_meta_equal_eager_peft(init_lora_weights):
+@pytest.mark.parametrize("init_lora_weights,pretrained", [(True, False), (False, False), (True, True)])
+def test_lora_adapters_built_on_meta_equal_eager_peft(init_lora_weights, pretrained, tmp_path):
     """LoRA attached on meta gets what peft's eager construction draws (nn.Linear's own init of A then B, then peft's
     reset), one sequence across blocks: bit-equal to an eager build. With init_lora_weights=False that construction
-    is the only init (it used to leave uninitialized memory: values of 1e13 and NaN losses)."""
+    is the only init (it used to leave uninitialized memory: values of 1e13 and NaN losses). On a pretrained base
+    the model's own init must not draw for the adapters (it did: DPO with LoRA then left stock TRL at step 2)."""
     from peft import LoraConfig
+    from transformers import LlamaForCausalLM
+
+    source = tiny_llama(num_hidden_layers=2)
+    if pretrained:
+        LlamaForCausalLM(source).save_pretrained(tmp_path)
+        source = tmp_path
 
     def lora(meta: bool) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         model = XlaFsdpPlugin(meta_init=meta).build(
-            tiny_llama(num_hidden_layers=2), progress=False,
+            source, progress=False,
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=init_lora_weights))
         return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
 

@@ -247,4 +247,5 @@ def test_spmd_is_started_once_per_process_whatever_asks(tmp_path):
     assert got == {"setups": ["the launcher"], "use_spmd": 1, "counted": 1, "spmd": True,
                    "classes": ["XlaFsdpTrainer", "XlaFsdpAccelerator"],
                    "patched": ["Accelerator.__new__", "PreTrainedModel.from_pretrained", "Trainer.__new__",
-                               "TrainingArguments", "gather_object", "peft BaseTuner.__init__"]}, got
+                               "TrainingArguments", "extract_model_from_parallel", "gather_object",
+                                   "peft BaseTuner.__init__"]}, got

@@ -35,3 +35,13 @@ class RecordLogits(TrainerCallback):
     def on_save(self, args, state, control, model=None, **kwargs):
         if args.should_save:
             self.record(model, f"step-{state.global_step}")
+
+
+class StepsRun(TrainerCallback):
+    """The optimizer steps this process ran (a resumed run runs only those after its checkpoint)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(state.global_step)
