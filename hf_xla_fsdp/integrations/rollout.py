@@ -14,6 +14,8 @@ steps 1-4. :class:`StaticShapeRollout` is the same generation with the static-sh
   prompts of a bucket length and completions of exactly ``max_completion_length``.
 
 The first rollout of a bucket compiles its graphs (a prefill and one per decode position); later ones compile none.
+(Under SPMD, torch_xla 2.9 still compiles a small replication program, uncached, for each host read of a sharded
+tensor: the completions read here and TRL's own reads; those are not graphs of the computation.)
 The policy is called through ``accelerator.unwrap_model``: its inner module runs through the root unit
 (:mod:`hf_xla_fsdp.modeling.routing`), which gathers the root's shards on FSDP v1. Tokens per second of every rollout
 go into the trainer's logged metrics (``generation/tokens_per_second``), with the graphs it compiled

@@ -1,6 +1,7 @@
-"""TRL's post-training trainers (DPO, GRPO, reward models) with XLA FSDP, end to end in user scripts, against stock
+"""TRL's DPO trainer with XLA FSDP, end to end in user scripts, against stock
 TRL on the CPU (same seed, same data, fp32 unless said): step by step, the saved model reloaded, resumed exactly.
 
+GRPO and reward models: tests/e2e/test_grpo_and_reward.py (two files: --dist loadfile gives each a worker).
 The user scripts live in tests/scripts/user/ (dpo.py, grpo.py, reward.py); tiny models and datasets come from
 tests/trl_helpers.py. Stock runs set USE_TORCH_XLA=0: with torch_xla imported, torch's activation checkpointing on
 the CPU looks for a ``torch.xla`` module and fails (TRL turns checkpointing on by default; trl #4182).
@@ -133,84 +134,6 @@ def test_dpo_on_v2_four_devices_in_bf16_follows_stock_fp32(llama, tmp_path_facto
     marker = read_marker(out / "checkpoint-4")
     assert marker["world_size"] == 1 and (out / ("adapter_model.safetensors" if variant == "lora" else
                                                  "model.safetensors")).is_file()
-
-
-@pytest.mark.parametrize("variant", ["full", "lora"])
-def test_reward_model_on_v1_equals_stock_and_saves_its_score_head(llama, tmp_path_factory, variant):
-    """RewardTrainer builds AutoModelForSequenceClassification (one label) from the causal LM's path: on meta, block
-    by block, with a fresh ``score`` head. The losses follow stock TRL on the CPU step by step; the saved model (the
-    whole classifier, or the adapters with the trained head as peft's modules_to_save) loads with from_pretrained and
-    scores like the trainer's model at its last step."""
-    from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoModelForSequenceClassification
-
-    tmp = tmp_path_factory.mktemp(f"reward-{variant}")
-    extra = ["--learning_rate", "1e-3"] + (["--use_peft"] if variant == "lora" else [])
-
-    def run(out: Path, stock: bool) -> dict:
-        env = {"USE_TORCH_XLA": "0"} if stock else {"USE_HF_XLA_FSDP": "1"}
-        flags = ["--use_cpu", "--save_strategy", "no"] if stock else \
-            [*XLA_V1, "--save_steps", str(STEPS), "--record_dir", str(tmp / "rec")]
-        res = run_python([USER_SCRIPTS / "reward.py", "--model_name_or_path", llama, "--output_dir", out, *COMMON, *extra,
-                          *flags], env=env, timeout=1200)
-        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
-        return json.loads((out / "results.json").read_text())
-
-    stock, ours = run(tmp / "stock", True), run(tmp / "ours", False)
-    diff = max(abs(a - b) for a, b in zip(_series(ours, "loss"), _series(stock, "loss")))
-    assert diff <= FP32_LOSS, (diff, _series(ours, "loss"), _series(stock, "loss"))
-    if variant == "lora":
-        base = AutoModelForSequenceClassification.from_pretrained(llama, num_labels=1)
-        saved = PeftModel.from_pretrained(base, tmp / "ours")
-        assert any("score" in k for k in load_file(tmp / "ours" / "adapter_model.safetensors"))  # the trained head
-    else:
-        config = json.loads((tmp / "ours" / "config.json").read_text())
-        assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
-        saved = AutoModelForSequenceClassification.from_pretrained(tmp / "ours")
-        assert "score.weight" in load_file(tmp / "ours" / "model.safetensors")
-    recorded = load_file(tmp / "rec" / f"step-{STEPS}.safetensors")["logits"]
-    assert recorded.shape == (2, 1)  # one reward per sequence
-    torch.testing.assert_close(_logits(saved, len(WORDS)), recorded, atol=1e-5, rtol=0)
-
-
-GRPO_VARIANTS = {  # engine, devices, extra flags
-    # full fine-tuning with a KL term: TRL builds the reference from the policy's path (evaluation mode, sharded)
-    "v1-full-beta": (XLA_V1, 1, ["--beta", "0.04"]),
-    # not yet: LoRA on FSDP v2 (4 devices, bf16, beta=0) trains but compiles 11 graphs in every step after warm-up
-    # ([92, 12, 11, 11, 11, 11] on 2026-11-28): GRPO_VARIANTS["v2-lora"] = (XLA_V2, 4, ["--use_peft", "--beta", "0.0",
-    # "--bf16", "true"]) once that is 0
-}
-
-
-@pytest.mark.parametrize("variant", sorted(GRPO_VARIANTS))
-def test_grpo_six_steps_compile_no_graph_after_step_two(llama, tmp_path_factory, variant):
-    """GRPO with a Python reward function, rollouts by model.generate on the sharded policy (static KV cache, prompts
-    left-padded to a bucket, completions to max_completion_length): every step after the second compiles nothing
-    (torch_xla's CompileTime, counted per step in a callback), rewards and generation tokens/s are logged, and the
-    saved model loads."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    fsdp, devices, extra = GRPO_VARIANTS[variant]
-    out = tmp_path_factory.mktemp(f"grpo-{variant}") / "out"
-    common = [a for i, a in enumerate(COMMON) if "--max_length" not in COMMON[max(i - 1, 0):i + 1]]  # not GRPO's
-    res = run_python([USER_SCRIPTS / "grpo.py", "--model_name_or_path", llama, "--output_dir", out, *common, *fsdp,
-                      "--max_steps", "6", "--num_generations", "4", "--max_completion_length", "8",
-                      "--learning_rate", "1e-3", "--save_strategy", "no", "--record_dir", str(out), *extra],
-                     devices=devices, env={"USE_HF_XLA_FSDP": "1"}, timeout=1500)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
-    results = json.loads((out / "results.json").read_text())
-    compiles, steps = results["compiles"], results["steps"]
-    assert len(compiles) == 6 and compiles[0] > 0 and compiles[2:] == [0, 0, 0, 0], compiles
-    assert len(steps) == 6 and all("reward" in e and e["generation/tokens_per_second"] > 0 for e in steps)
-    assert len({round(e["reward"], 6) for e in steps}) > 1 and any(abs(e["loss"]) > 1e-3 for e in steps)  # learned
-    if "lora" in variant:
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama), out)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(out)
-    with torch.no_grad():
-        assert torch.isfinite(_logits(model, len(WORDS))).all()
 
 
 def test_trl_dpo_script_unmodified_under_the_launcher(llama, tmp_path):

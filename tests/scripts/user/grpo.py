@@ -30,18 +30,22 @@ else:
 
 
 class CompilesPerStep(TrainerCallback):
-    """Test instrumentation: graphs XLA compiled during each step (torch_xla's CompileTime metric)."""
+    """Test instrumentation, per step: everything XLA compiled (torch_xla's CompileTime metric) and the graphs of the
+    computation among it (the UncachedCompile counter: graphs not found in the graph cache). Under SPMD the two
+    differ by the small programs torch_xla compiles, uncached, whenever a sharded tensor is read to the host
+    (ReplicateShardedData)."""
 
     def __init__(self) -> None:
         self.per_step: list[int] = []
-        self.seen = 0
+        self.graphs: list[int] = []
+        self.seen = (0, 0)
 
     @staticmethod
-    def count() -> int:
+    def count() -> tuple[int, int]:
         import torch_xla.debug.metrics as met
 
         data = met.metric_data("CompileTime")
-        return int(data[0]) if data else 0
+        return int(data[0]) if data else 0, int(met.counter_value("UncachedCompile") or 0)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.seen = self.count()
@@ -49,7 +53,9 @@ class CompilesPerStep(TrainerCallback):
             print(f"=== step {state.global_step + 1}", file=sys.stderr, flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.per_step.append(self.count() - self.seen)
+        now = self.count()
+        self.per_step.append(now[0] - self.seen[0])
+        self.graphs.append(now[1] - self.seen[1])
 
 
 @dataclass
@@ -77,7 +83,8 @@ def main() -> None:
     trainer.save_model()
     if trainer.is_world_process_zero():
         steps = [e for e in trainer.state.log_history if "loss" in e]
-        out = {"steps": steps, "compiles": counter.per_step if counter is not None else None}
+        out = {"steps": steps, "compiles": counter.per_step if counter is not None else None,
+               "graphs": counter.graphs if counter is not None else None}
         Path(args.output_dir, "results.json").write_text(json.dumps(out))
 
 
