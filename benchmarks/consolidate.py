@@ -22,8 +22,9 @@ files only ours (they carry their model's config, written back as JSON); for ``.
 against ``--config``, also transformers' config and model classes (~190 MiB above ``import torch`` here).
 Checksum cost: our consolidation of the same rank files with their CRC-32C checksums checked, with
 zlib's CRC-32 instead, and with no checksums (the tables removed, as an earlier version wrote them), each run
---repeats times alternately (best and median of each reported; ``--checksums-only`` runs just this);
-target: checking costs <= 10 % of the unchecked time.
+--repeats times alternately (``--checksums-only`` runs just this); reported: each variant's times, best and median, and
+the headline, the median (and range) of each repeat's overhead against the unchecked run beside it;
+target: checking costs <= 10 % of the unchecked time, at the median.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -247,10 +249,10 @@ def largest_tensor_bytes(d: Path) -> int:
     return biggest
 
 
-PATHS = {  # ours -> (input format, reference path for that format)
-    "ours": ("safetensors (ours)", "reference"),
-    "ours_pth": ("torch_xla .pth", "reference_pth"),
-    "ours_bin": ("Trainer .bin", "reference"),
+PATHS = {  # ours -> (input format, reference path, whether the reference reads the same files)
+    "ours": ("safetensors (ours)", "reference", False),  # no stock tool reads our format: the Trainer's .bin path
+    "ours_pth": ("torch_xla .pth", "reference_pth", True),
+    "ours_bin": ("Trainer .bin", "reference", True),
 }
 
 
@@ -302,15 +304,22 @@ def measure(args: argparse.Namespace) -> None:
             timings[kind].append(run["seconds"])
     assert variants
     best = {kind: min(values) for kind, values in timings.items()}
-    median = {kind: sorted(values)[len(values) // 2] for kind, values in timings.items()}
+    median = {kind: statistics.median(values) for kind, values in timings.items()}
+
+    def overheads(kind: str) -> list[float]:  # each repeat's variant against the unchecked run next to it
+        return sorted(round(100 * (a / b - 1), 1) for a, b in zip(timings[kind], timings["unverified"]))
+
     checksums = {
         "consolidation_seconds": timings, "best_seconds": best, "median_seconds": median,
-        "crc32c_overhead_percent": round(100 * (best["crc32c"] / best["unverified"] - 1), 1),
+        # the headline: the median of the per-repeat overheads, with their range
+        "crc32c_overhead_percent_median": statistics.median(overheads("crc32c")),
+        "crc32c_overhead_percent_range": [overheads("crc32c")[0], overheads("crc32c")[-1]],
+        "crc32_overhead_percent_median": statistics.median(overheads("crc32")),
+        "crc32c_overhead_percent_of_best": round(100 * (best["crc32c"] / best["unverified"] - 1), 1),
         "crc32c_overhead_percent_of_medians": round(100 * (median["crc32c"] / median["unverified"] - 1), 1),
-        "crc32_overhead_percent": round(100 * (best["crc32"] / best["unverified"] - 1), 1),
         "outputs_identical": compare_outputs(work / "out_ours_unverified", work / "out_ours")
         and compare_outputs(work / "out_ours_crc32", work / "out_ours"),
-        "within_10_percent": best["crc32c"] <= 1.10 * best["unverified"],
+        "target_10_percent_met_at_the_median": statistics.median(overheads("crc32c")) <= 10.0,
     }
     if args.checksums_only:
         emit({"smoke": args.smoke, "world_size": args.world_size, "checksums": checksums})
@@ -330,16 +339,22 @@ def measure(args: argparse.Namespace) -> None:
     for kind in ("reference", "reference_pth"):
         r = results[kind]
         report[kind] = {"peak_rss_mib": mib(r["peak_rss"]), "above_torch_import_mib": mib(above(r)),
+                        "above_imports_mib": mib(r["peak_rss"] - r["baseline_rss"]),
                         "seconds": r["seconds"], "process_seconds": r["process_seconds"]}
     all_ok = True
-    for kind, (fmt, ref_kind) in PATHS.items():
+    for kind, (fmt, ref_kind, same_input) in PATHS.items():
         r, ref = results[kind], results[ref_kind]
         entry = {
-            "input": fmt, "reference": ref_kind, "peak_rss_mib": mib(r["peak_rss"]),
+            "input": fmt, "reference": ref_kind, "reference_reads_the_same_files": same_input,
+            "peak_rss_mib": mib(r["peak_rss"]),
             "above_torch_import_mib": mib(above(r)), "above_imports_mib": mib(r["peak_rss"] - r["baseline_rss"]),
             "seconds": r["seconds"], "process_seconds": r["process_seconds"],
             "imported_torch_xla": r["imported_torch_xla"], "imported_transformers": r["imported_transformers"],
             "above_torch_import_ratio_reference_over_ours": round(above(ref) / above(r), 2),
+            # the work alone: each path's peak above the imports it needs (ours: transformers' config classes for a
+            # foreign format; the stock path: torch_xla and transformers)
+            "above_imports_ratio_reference_over_ours": round((ref["peak_rss"] - ref["baseline_rss"])
+                                                             / max(r["peak_rss"] - r["baseline_rss"], 1), 2),
             "peak_ratio_reference_over_ours": round(ref["peak_rss"] / r["peak_rss"], 2),
             "process_time_ratio_reference_over_ours": round(ref["process_seconds"] / r["process_seconds"], 2),
             "within_memory_target": above(r) <= target,

@@ -132,6 +132,9 @@ RELIED_ON: tuple[Upstream, ...] = (
                            ("_save_for_backward", ("ctx", "pytree")), ("_load_from_context", ("ctx",)))),
     Upstream("torch_xla", "scan", "torch_xla.experimental.pytreeify:pytreeify", None, "scan_layers' loop",
              override=False),
+    # torch_xla: under SPMD the device has no kind; the TPU slice's accelerator type names the generation (for MFU)
+    Upstream("torch_xla", "throughput", "torch_xla._internal.tpu:get_tpu_type", (), "the TPU generation under SPMD",
+             override=False),
     Upstream("torch_xla", "scan", "torch_xla.experimental.spmd_fully_sharded_data_parallel:_prepare_spmd_partition_spec",
              ("param", "extra_data_axis", "shard_maximal"), "the FSDP v2 split of a layer's weight, for its stack",
              override=False),

@@ -8,7 +8,9 @@ scripts the tests start (tests/scripts/), which cannot import conftest's fixture
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -163,6 +165,20 @@ def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
     """
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=xla_env(devices=devices, env=env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- resuming
+def marked_copy(ckpt: Path, dest: Path) -> Path:
+    """A copy of ``ckpt`` whose logged losses are all -1.0: a run resumed from it carries them in its log, while a run
+    that silently started from scratch would log real losses for those steps (and, being deterministic, the very
+    losses of the uninterrupted run, which no comparison of later steps could tell apart)."""
+    shutil.copytree(ckpt, dest)
+    state = json.loads((dest / "trainer_state.json").read_text())
+    for entry in state["log_history"]:
+        if "loss" in entry:
+            entry["loss"] = -1.0
+    (dest / "trainer_state.json").write_text(json.dumps(state))
+    return dest
 
 
 # --------------------------------------------------------------------------- the start-up hook, installed

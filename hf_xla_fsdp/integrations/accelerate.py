@@ -26,7 +26,7 @@ from ..config.accelerate_args import accelerator_settings
 from ..engines import is_wrapped, unit_classes
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
-from ..session import AsyncMode, XlaFsdpSession
+from ..session import AsyncMode, XlaFsdpSession, throughput
 from ..session import optimizers as opt
 from . import patches
 
@@ -62,6 +62,7 @@ class XlaFsdpAccelerator(Accelerator):
         session.checkpoints.barrier = lambda tag: self.wait_for_everyone()
         if own:  # a Trainer's session has its progress setting already
             session.checkpoints.progress = self.is_main_process
+        self._xla_fsdp_own_session = own  # a Trainer's accelerator: the Trainer measures throughput itself
         self._moved_params: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> its sharded parameter
         self._state_dict_calls = 0
 
@@ -156,7 +157,31 @@ class XlaFsdpAccelerator(Accelerator):
         data_loader = self.xla_fsdp_session.pad_batches(data_loader, models=lambda: self._models)  # pad_to_buckets
         loader = super().prepare_data_loader(data_loader, device_placement=device_placement,
                                              slice_fn_for_dispatch=slice_fn_for_dispatch)
-        return self.xla_fsdp_session.prepare_loader(loader)
+        return throughput.observe_loader(self.xla_fsdp_session.prepare_loader(loader), self._training_meter)
+
+    # ----------------------------------------------------------------- throughput
+    def _throughput_meter(self) -> Optional[throughput.Throughput]:
+        meter = getattr(self, "_xla_fsdp_throughput", None)
+        if meter is None and len(self._models) == 1 and self._xla_fsdp_own_session:
+            meter = self._xla_fsdp_throughput = throughput.Throughput.for_model(self._models[0],
+                                                                                self.xla_fsdp_session.unwrap)
+        return meter
+
+    def _training_meter(self) -> Optional[throughput.Throughput]:
+        # an evaluation loop's batches (the model in eval mode) are not training tokens
+        meter = self._throughput_meter()
+        return meter if meter is not None and self._models[0].training else None
+
+    def throughput(self) -> dict[str, float]:
+        """Tokens per second (global and per device), TFLOP/s per device, MFU where the device's peak is known, and
+        the seconds per batch and the host's part of them, over the batches of the prepared data loaders since the
+        previous call (:mod:`hf_xla_fsdp.session.throughput`). :meth:`log` adds them to what it logs."""
+        meter = self._throughput_meter()
+        return meter.logs() if meter is not None else {}
+
+    def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
+        """accelerate's ``log`` with :meth:`throughput`'s keys added."""
+        super().log({**values, **self.throughput()}, step=step, log_kwargs=log_kwargs)
 
     def _fsdp_model(self) -> torch.nn.Module:
         if len(self._models) != 1:

@@ -31,6 +31,7 @@ from ..modeling.lazy import lazy_state
 from ..plugin import XlaFsdpPlugin
 from ..process import process_state
 from ..session import PreemptionGuard, XlaFsdpSession
+from ..session.throughput import Throughput
 from . import patches
 from .trl_hooks import PathModel, TrlModelHooks, is_trl_trainer, model_init_sources, reference_model
 
@@ -55,6 +56,28 @@ class PreemptionCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+
+class ThroughputCallback(TrainerCallback):
+    """Times each optimizer step for the throughput keys every training log gets (:mod:`hf_xla_fsdp.session.throughput`)."""
+
+    def __init__(self, session: XlaFsdpSession):
+        self.session = session
+        self.meter: Optional[Throughput] = None
+
+    def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The model is wrapped: size its FLOPs, read the devices."""
+        self.meter = Throughput.for_model(model, self.session.unwrap)
+
+    def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
+        """The host starts tracing a step."""
+        if self.meter is not None:
+            self.meter.step_begin()
+
+    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
+        """The step is traced (the device runs it while the next one is traced)."""
+        if self.meter is not None:
+            self.meter.step_end()
 
 
 class XlaFsdpTrainerMixin:
@@ -137,6 +160,8 @@ class XlaFsdpTrainerMixin:
         from ..checkpoint.layout import TRAINER_PREFIX
 
         session = self.xla_fsdp_session
+        if not any(isinstance(c, ThroughputCallback) for c in self.callback_handler.callbacks):
+            self.add_callback(ThroughputCallback(session))  # tokens/s, MFU and host time in every training log
         if kwargs.get("resume_from_checkpoint") is True or (args and args[0] is True):
             # transformers picks the highest checkpoint-N; only a marked one is complete (object storage writes in place)
             latest = session.checkpoints.series(self.args.output_dir, TRAINER_PREFIX).latest()
@@ -168,7 +193,22 @@ class XlaFsdpTrainerMixin:
         running = getattr(self, "_tr_loss", None)
         if isinstance(running, torch.Tensor):
             self.xla_fsdp_session.like_step_output(running)
+        meter = self._throughput_meter()
+        if meter is not None:
+            meter.batch(inputs, getattr(self._transformers_model(), "main_input_name", "input_ids"))
         return super().training_step(model, inputs, *args, **kwargs)
+
+    def _throughput_meter(self) -> Optional[Throughput]:
+        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, ThroughputCallback)), None)
+        return callback.meter if callback is not None else None
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``; a training log (one with the running ``loss``) gets the throughput keys of the steps since
+        the previous one (:mod:`hf_xla_fsdp.session.throughput`)."""
+        meter = self._throughput_meter()
+        if meter is not None and "loss" in logs:
+            logs.update(meter.logs())
+        super().log(logs, *args, **kwargs)
 
     def _transformers_model(self) -> nn.Module:
         """The transformers model inside the FSDP wrappers and, for a PEFT model, inside peft's (whose plain

@@ -37,6 +37,8 @@ class TpuGeneration:
     sizes: tuple[int, ...]  # standard slice sizes, in the unit the name counts
     aliases: tuple[str, ...] = ()
     source: str = ""
+    peak_bf16_flops: float = 0.0  # per chip, dense bf16 matrix multiplies
+    device_kinds: tuple[str, ...] = ()  # what the PJRT runtime reports as the device kind of its chips
 
 
 # The one table of TPU hardware. Source: Google Cloud TPU documentation, "System architecture" and
@@ -50,15 +52,31 @@ class TpuGeneration:
 #   https://cloud.google.com/tpu/docs/v6e  : 1 TensorCore per chip, "HBM capacity per chip 32 GB"; 256-chip pods
 # The pages write GB for v5e/v5p/v6e and GiB for v4; HBM stacks come in binary sizes, so all four are taken
 # as GiB (the runtime reserves a little of it: a plan within a few percent of the limit is marginal).
+# Peak bf16 compute per chip, the same pages ("Peak compute per chip (bf16)"): v4 275 TFLOP/s, v5e 197, v5p 459,
+# v6e 918. The device kinds are PJRT's TPU client's (``xm.xla_device_kind()``; JAX reports the same strings:
+# "TPU v4", "TPU v5 lite" = v5e, "TPU v5" = v5p, "TPU v6 lite" = v6e).
 _POW2_CORES = tuple(2**k for k in range(3, 14))  # 8 .. 8192
 TPU_GENERATIONS: dict[str, TpuGeneration] = {
-    "v4": TpuGeneration("v4", 32 * GIB, 2, True, _POW2_CORES, source="https://cloud.google.com/tpu/docs/v4"),
+    "v4": TpuGeneration("v4", 32 * GIB, 2, True, _POW2_CORES, source="https://cloud.google.com/tpu/docs/v4",
+                        peak_bf16_flops=275e12, device_kinds=("TPU v4",)),
     "v5e": TpuGeneration("v5e", 16 * GIB, 1, False, (1, 4, 8, 16, 32, 64, 128, 256), aliases=("v5litepod",),
-                         source="https://cloud.google.com/tpu/docs/v5e"),
-    "v5p": TpuGeneration("v5p", 95 * GIB, 2, True, _POW2_CORES + (12288,), source="https://cloud.google.com/tpu/docs/v5p"),
+                         source="https://cloud.google.com/tpu/docs/v5e", peak_bf16_flops=197e12,
+                         device_kinds=("TPU v5 lite", "TPU v5e")),
+    "v5p": TpuGeneration("v5p", 95 * GIB, 2, True, _POW2_CORES + (12288,), source="https://cloud.google.com/tpu/docs/v5p",
+                         peak_bf16_flops=459e12, device_kinds=("TPU v5", "TPU v5p")),
     "v6e": TpuGeneration("v6e", 32 * GIB, 1, False, (1, 4, 8, 16, 32, 64, 128, 256),
-                         source="https://cloud.google.com/tpu/docs/v6e"),
+                         source="https://cloud.google.com/tpu/docs/v6e", peak_bf16_flops=918e12,
+                         device_kinds=("TPU v6 lite", "TPU v6e")),
 }
+
+
+def generation_for_device_kind(kind: Optional[str]) -> Optional[TpuGeneration]:
+    """The TPU generation whose chips the runtime reports as ``kind`` (``xm.xla_device_kind()``), or whose name or
+    alias ``kind`` is (a slice's accelerator type, as read under SPMD: ``v5litepod``); None for any other device
+    (XLA:CPU reports ``cpu``)."""
+    wanted = str(kind or "").strip().lower()
+    return next((g for g in TPU_GENERATIONS.values()
+                 if wanted in (*(k.lower() for k in g.device_kinds), g.name, *g.aliases)), None)
 
 
 @dataclass(frozen=True)
@@ -319,7 +337,18 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
                 "sharding rules); estimate_* are estimates (activations after Korthikanti et al. 2022; XLA's "
                 "scheduling and fusion change the real peak)",
         "suggestions": suggestions,
+        "throughput": _throughput(m, seq, slc),
     }
+
+
+def _throughput(m: _Model, seq: int, slc: TpuSlice) -> Optional[dict[str, Any]]:
+    """ESTIMATE of the tokens per second per chip (:func:`hf_xla_fsdp.planning.flops.expected_tokens_per_second`)."""
+    from .flops import expected_tokens_per_second, flops_from_counts
+
+    flops = flops_from_counts(m.config, m.total_params)
+    if flops is None or not slc.generation.peak_bf16_flops:
+        return None
+    return expected_tokens_per_second(flops, seq, slc.generation.peak_bf16_flops)
 
 
 def smallest_tensor_parallel(plugin: "XlaFsdpPlugin", slc: TpuSlice, chip: Any) -> dict[str, Any]:
@@ -446,6 +475,12 @@ def format_plan(report: dict[str, Any]) -> str:
         f"  total                              {g(pc['total'])}  of {g(t['hbm_per_chip']).strip()}",
         f"fits: {'true' if report['fits'] else 'false'}",
     ]
+    if report.get("throughput"):
+        tp = report["throughput"]
+        low, high = tp["tokens_per_second_per_chip"]
+        lines.insert(-1, f"throughput (ESTIMATE): {low:,.0f} to {high:,.0f} tokens/s per chip at "
+                         f"{tp['mfu_band'][0]:.0%} to {tp['mfu_band'][1]:.0%} MFU ({tp['flops_per_token']:.3g} FLOPs "
+                         f"per token, {tp['peak_bf16_flops_per_chip'] / 1e12:.0f} TFLOP/s bf16 per chip)")
     if report.get("tensor_parallel"):
         lines.append(f"tensor parallel: {report['tensor_parallel']['size']} ({report['tensor_parallel']['why']})")
     for sug in report["suggestions"]:

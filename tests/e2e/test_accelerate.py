@@ -109,11 +109,14 @@ def test_yaml_settings_reach_the_training_process(trained, tmp_path):
 def test_resume_continues_the_same_loss_curve(trained, tmp_path):
     out, _ = trained
     full = json.loads((out / "results.json").read_text())["losses"]
-    res = launch(YAML, tmp_path / "resumed", "--max_train_steps", "30", "--resume_from_checkpoint", out / "step_10")
+    # from the last checkpoint before the end (step_20): the same check as from step_10 at half the steps to train
+    res = launch(YAML, tmp_path / "resumed", "--max_train_steps", "30", "--resume_from_checkpoint", out / "step_20")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout
+    # the script's own line after load_state, with the step it read back: a run that ignored the checkpoint and
+    # started from scratch would train steps 1-20 again, deterministically, to the very losses compared below
+    assert f"resumed from {out / 'step_20'} at step 20" in res.stdout
     resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())["losses"]
-    for step in range(11, 31):
+    for step in range(21, 31):
         assert resumed[str(step)] == pytest.approx(full[str(step)], abs=1e-6), step
 
 

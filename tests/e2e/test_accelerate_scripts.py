@@ -48,19 +48,27 @@ def launch(config: Path, pre: Path, family: str, out: Path, *extra: str, devices
 
 
 def cpu_eval_loss(model_dir: Path, pre: Path) -> float:
-    """The script's eval loss recomputed on the CPU from the saved model: 32-token blocks of the validation text in
-    batches of 4, each batch's mean loss counted once per block (as run_clm_no_trainer's loss.repeat does)."""
+    """The script's eval loss on XLA, recomputed on the CPU from the saved model.
+
+    The same data: the validation text tokenized line by line with its line breaks (run_clm_no_trainer's default
+    ``keep_linebreaks``: the datasets text loader keeps each line's newline, 80 tokens here), cut into 32-token
+    blocks (71 here), in batches of 4. The same weighting: the script repeats each batch's mean loss 4 times
+    (``loss.repeat(per_device_eval_batch_size)``) and gather_for_metrics keeps all 4 copies of the last, 3-block
+    batch on XLA (stock accelerate too): the device loader's preloading thread finishes the DataLoaderShard's
+    iteration before the script gathers that batch, which resets accelerate's ``end_of_dataloader``, so the
+    remainder is never cut. Measured: the script's 5.968253 against 5.968253 so (5.969003 weighting the last batch
+    by its 3 blocks, 5.971383 without it).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = [t for line in (pre / "validation.txt").read_text().splitlines() for t in tokenizer(line)["input_ids"]]
+    lines = (pre / "validation.txt").read_text().splitlines(keepends=True)
+    ids = [t for line in lines for t in tokenizer(line)["input_ids"]]
     blocks = torch.tensor(ids[: len(ids) // 32 * 32]).view(-1, 32)
-    losses = []
     with torch.no_grad():
-        for batch in blocks.split(4):
-            losses.append(model(input_ids=batch, labels=batch).loss.repeat(len(batch)))
-    return float(torch.cat(losses).mean())
+        losses = [model(input_ids=batch, labels=batch).loss for batch in blocks.split(4)]
+    return float(torch.stack(losses).mean())
 
 
 CASES = [
@@ -93,6 +101,12 @@ def test_swapped_import_trains_resumes_and_saves(pre, tmp_path, config, family, 
         (resumed_dir / "checkpoints").mkdir(parents=True)
         shutil.copytree(tmp_path / "full" / "checkpoints" / "checkpoint_0", resumed_dir / "checkpoints" / "checkpoint_0")
         resumed = launch(yaml, pre, family, resumed_dir, "--resume_from_checkpoint", devices=devices)
+        # a run that ignored the checkpoint would retrain steps 1-4, deterministically, to the very losses compared
+        # below: but its automatic-naming counter (restored from the checkpoint's registered progress) would be 0
+        # and its step-4 save into the copied checkpoint_0 refused ("already exists"), so launch() would have failed.
+        # The run's own save (at step 8) is checkpoint_1. (The script's "Resumed at step" line is accelerator.print,
+        # which prints nothing under accelerate launch on XLA:CPU: is_local_main_process is False there.)
+        assert sorted(p.name for p in (resumed_dir / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_1"]
         again = {int(k): v for k, v in resumed["losses"].items()}
         for step in range(5, 9):
             assert math.isclose(again[step], losses[step], rel_tol=0, abs_tol=1e-6), (step, again[step], losses[step])
@@ -110,6 +124,6 @@ def test_swapped_import_trains_resumes_and_saves(pre, tmp_path, config, family, 
     final = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
     assert all(torch.equal(t, final[k]) for k, t in saved.state_dict().items())
     if family == "llama":
-        # accelerate's gather_for_metrics keeps the padded copies of the last eval batch on XLA (stock and ours
-        # alike): a few 1e-4 between the script's eval loss and the same loss computed on the CPU
-        assert abs(cpu_eval_loss(tmp_path / "full", pre) - full["eval_loss"]) < 2e-3
+        # fp32 both sides, the same blocks, batches and weighting (cpu_eval_loss): XLA's and the CPU's summation
+        # orders only (~1e-6 per batch measured), while 4 training steps move it by 0.26 (test_launch_scripts.py)
+        assert abs(cpu_eval_loss(tmp_path / "full", pre) - full["eval_loss"]) < 1e-4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from helpers import ROOT, run_python
@@ -16,11 +17,13 @@ EXAMPLES = ROOT / "examples"
 def test_digits_sharded_and_consolidated_accuracy(tmp_path):
     out = tmp_path / "results.json"
     res = run_python([EXAMPLES / "digits_fsdp_with_ckpt.py", "--batch_size", "64", "--drop_last",
-                      "--num_epochs", "5", "--use_nested_fsdp", "--use_gradient_checkpointing",
+                      "--num_epochs", "3", "--use_nested_fsdp", "--use_gradient_checkpointing",
                       "--test_set_batch_size", "120", "--ckpt_prefix", tmp_path / "final_ckpt", "--output_json", out])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["plugin"]["sharding"] == "zero3" and results["plugin"]["activation_checkpointing"]
+    # 3 epochs, not the example's 5: the same check in 40 % less training (measured 2026-11-28: 88.6 / 97.2 / 99.2 %
+    # after epochs 1-3, so 97 % holds with 8 of the 359 test digits to spare)
     assert results["sharded_test_accuracy"] >= 0.97, results["accuracy_per_epoch"]
     assert results["consolidated_test_accuracy"] >= 0.97
     # the from_pretrained copy (fp32 on the host) classifies the 359 test digits like the sharded model
@@ -48,7 +51,9 @@ def test_image_classification_few_steps_with_all_three_flags(tmp_path):
     assert plugin["sharding"] == "zero3" and plugin["activation_checkpointing"] and plugin["compute_dtype"] == "bfloat16"
     losses = [results["losses"][k] for k in sorted(results["losses"], key=int)]
     assert results["steps"] == 12 and len(losses) == 3 and losses[-1] < losses[0]
-    assert 0.0 <= results["accuracy"]["1"] <= 1.0
+    # top-1 on the 320 validation digits after 12 steps: 57 right (17.8 %; seeded, the same every run here); a
+    # classifier that learned nothing scores the chance 10 % +- 1.7 % (one sd at n = 320), so 13 % is out of its reach
+    assert results["accuracy"]["1"] > 0.13, results["accuracy"]
     assert (tmp_path / "ckpt" / "checkpoint_complete.json").is_file()
 
 
@@ -64,7 +69,10 @@ def test_build_large_model_plan_and_small_build():
     assert built["built_world_size"] == 4
     # rank 0 holds a quarter of the parameters (plus padding to a multiple of 128 per tensor)
     assert built["total_bytes"] / 4 <= built["rank_param_mib"] * 2**20 * 1.001 < built["total_bytes"] / 4 * 1.2
-    assert built["peak_rss_mib"] >= built["rss_before_build_mib"]
+    # the build of this 2.7 MB model adds ~11 MiB to the runtime baseline (measured: the ViT modeling code it
+    # imports lazily, the rank's shards and the graph); 64 MiB leaves room for allocator noise while a build that
+    # kept eager copies or graph buffers around would exceed it
+    assert built["peak_rss_mib"] - built["rss_before_build_mib"] < 64
 
 
 def test_build_large_model_recipe_plans_builds_trains_and_saves(tmp_path):
@@ -74,7 +82,10 @@ def test_build_large_model_recipe_plans_builds_trains_and_saves(tmp_path):
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout[res.stdout.index("{"):])
     assert out["tpu_plan"]["fits"] is True and out["tpu_plan"]["slice"] == "v5e-1"
-    assert out["train_step_loss"] > 0 and out["saved"]["complete"]
+    # cross-entropy of an untrained 1000-way classifier on random labels: ln(1000) = 6.91 plus about half the
+    # variance of its logits (initializer_range 0.02: std ~0.2); NaN, inf or garbage weights land far outside 0.5
+    assert abs(out["train_step_loss"] - math.log(1000)) < 0.5, out["train_step_loss"]
+    assert out["saved"]["complete"]
     assert (tmp_path / "ckpt" / "checkpoint_complete.json").is_file()
     # an emulated rank of 4: the step is skipped (it needs the other ranks), its own rank file is written
     res = run_python([EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--world_size", "4", "--rank", "2",

@@ -323,11 +323,13 @@ def test_lora_bf16_on_v2_checkpoints_are_adapters_and_resume(tmp_path):
                                                   tmp_path / "full" / f"checkpoint-{step}").eval()
         with torch.no_grad():
             torch.testing.assert_close(reloaded(input_ids=batch).logits, logits[step], atol=1e-2, rtol=0)
-    resumed = run(tmp_path / "resumed", "--resume_from_checkpoint", str(ckpt))
-    # steps 1-3 come back with checkpoint-3's trainer state, 4-6 are trained again: bf16 parameters, fp32 masters
-    # saved, so the resumed run logs the uninterrupted run's losses
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    assert all(resumed[s] == pytest.approx(full[s], abs=1e-6) for s in range(1, 7)), (resumed, full)
+    from helpers import marked_copy
+
+    resumed = run(tmp_path / "resumed", "--resume_from_checkpoint", str(marked_copy(ckpt, tmp_path / "marked-3")))
+    # steps 1-3 come back with checkpoint-3's trainer state (marked: a silent restart from scratch would log real
+    # losses there), 4-6 are trained again: bf16 parameters, fp32 masters saved, so the uninterrupted run's losses
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6] and {resumed[s] for s in (1, 2, 3)} == {-1.0}
+    assert all(resumed[s] == pytest.approx(full[s], abs=1e-6) for s in range(4, 7)), (resumed, full)
     saved = tmp_path / "full"
     assert (saved / "adapter_model.safetensors").is_file() and not (saved / "model.safetensors").exists()
     with safe_open(saved / "adapter_model.safetensors", "pt") as fh:

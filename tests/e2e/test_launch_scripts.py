@@ -89,10 +89,9 @@ def no_trainer_reload(out: Path, pre: Path) -> None:
     state = out / "checkpoints" / "checkpoint_0"
     assert (state / "checkpoint_complete.json").is_file() and (state / "rank-00000-of-00001.safetensors").is_file()
     reported = json.loads((out / "all_results.json").read_text())["eval_loss"]
-    # fp32 both sides, yet XLA's evaluation and the CPU's differ by 2.6e-3 here (the same under the stock launcher
-    # with the swapped import: tests/e2e/test_accelerate_scripts.py allows 2e-3 after 8 steps); training moved the
-    # loss by 0.26, so 5e-3 still tells the trained model from another
-    assert abs(cpu_eval_loss(out, pre) - reported) < 5e-3, reported
+    # fp32 both sides, the same blocks and batches: XLA's and the CPU's summation orders only (measured ~1e-6 per
+    # batch); training moved the loss by 0.26
+    assert abs(cpu_eval_loss(out, pre) - reported) < 1e-4, reported
 
 
 # --------------------------------------------------------------------------- hf-xla-fsdp launch
@@ -118,23 +117,25 @@ def test_accelerate_script_with_a_yaml(tmp_path, pre):
     no_trainer_reload(out, pre)
 
 
-@pytest.mark.parametrize("calls_use_spmd", [True, False], ids=["calls-use_spmd", "no-use_spmd"])
-def test_trl_sft_with_lora_on_v2_over_four_devices(tmp_path, pre, calls_use_spmd):
-    """TRL's SFTTrainer (its own class, imported from trl) with LoRA on FSDP v2: a script that starts with
-    `xr.use_spmd()` as TPU scripts for the stock stack do, and one that does not."""
+def test_trl_sft_with_lora_on_v2_over_four_devices(tmp_path, pre):
+    """TRL's SFTTrainer (its own class, imported from trl) with LoRA on FSDP v2, from a script that starts with
+    `xr.use_spmd()` as TPU scripts for the stock stack do. A script that does not (TRL's own sft.py, as published)
+    runs the same way in tests/e2e/test_official_scripts.py (LoRA on v2 over four devices, resumed, adapters loaded):
+    the run without the call was dropped from here, a duplicate of that one (two 4-device processes less)."""
     pytest.importorskip("trl")
     out = tmp_path / "out"
     launch(USER_SCRIPTS / "sft.py", "--model_name_or_path", pre / "llama", "--output_dir", out, "--fsdp", "full_shard",
            "--fsdp_config", '{"xla": true, "xla_fsdp_v2": true}', "--use_peft", "--max_steps", "4", "--save_steps", "4",
            "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--report_to", "none", "--logging_steps",
            "2", "--max_length", "64", "--pad_to_multiple_of", "64", "--seed", "3",
-           devices=4, env={"SFT_USE_SPMD": "1" if calls_use_spmd else None})
+           devices=4, env={"SFT_USE_SPMD": "1"})
     results = json.loads((out / "results.json").read_text())
     assert results["eval_loss"] < results["eval_loss_before"]
     ckpt = out / "checkpoint-4"
     assert (ckpt / "rank-00000-of-00001.safetensors").is_file() and (ckpt / "adapter_model.safetensors").is_file()
-    # the adapters (final, or checkpoint-4: the same step) reload with peft on the stock stack, on the CPU
-    saved = out if calls_use_spmd else ckpt
+    # the adapters of checkpoint-4 (the final step: the final save is the same adapters) reload with peft on the
+    # stock stack, on the CPU
+    saved = ckpt
     check = run([sys.executable, USER_SCRIPTS / "sft.py", "--model_name_or_path", pre / "llama",
                  "--output_dir", tmp_path / "eval", "--evaluate_saved", saved, "--use_cpu", "--report_to", "none",
                  "--max_length", "64", "--pad_to_multiple_of", "64", "--bf16", "false"], devices=1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, USER_SCRIPTS, run_python
+from helpers import ROOT, USER_SCRIPTS, marked_copy, run_python
 
 from hf_xla_fsdp import ConfigError
 
@@ -58,15 +58,7 @@ def test_checkpoints_are_sharded_and_pickle_free(trained):
 
 @pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_losses(trained, tmp_path):
-    import shutil
-
-    # a copy whose logged losses are marked: a run that silently restarted from scratch would not carry them
-    ckpt = tmp_path / "checkpoint-10"
-    shutil.copytree(trained / "checkpoint-10", ckpt)
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    for entry in state["log_history"]:
-        entry["loss"] = -1.0
-    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    ckpt = marked_copy(trained / "checkpoint-10", tmp_path / "checkpoint-10")
     resumed = tmp_path / "resumed"
     res = run_clm(resumed, "--resume_from_checkpoint", str(ckpt))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -83,7 +75,6 @@ def test_resume_reproduces_the_uninterrupted_losses(trained, tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_exits_0_and_resume_matches(trained, tmp_path):
     import re
-    import shutil
     import signal
     import time
 
@@ -116,12 +107,7 @@ def test_sigterm_saves_at_the_next_step_exits_0_and_resume_matches(trained, tmp_
     full = losses(trained)
     assert losses(path) == {s: full[s] for s in range(1, step + 1)}
     # resume from it (logged losses marked, so a silent restart from scratch would show) and finish the run
-    ckpt = tmp_path / f"checkpoint-{step}"
-    shutil.copytree(path, ckpt)
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    for entry in state["log_history"]:
-        entry["loss"] = -1.0
-    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    ckpt = marked_copy(path, tmp_path / f"checkpoint-{step}")
     resumed = tmp_path / "resumed"
     res = run_clm(resumed, "--resume_from_checkpoint", str(ckpt))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -168,9 +154,12 @@ def test_v2_spmd_on_four_devices_resumes_exactly(tmp_path):
     meta = json.loads((first / "checkpoint-10" / "rank-00000-of-00001.json").read_text())
     assert meta["engine"] == "spmd" and meta["devices"] == 4 and meta["plugin"]["version"] == 2
     resumed = tmp_path / "resumed"
-    res = run_clm(resumed, "--resume_from_checkpoint", str(first / "checkpoint-10"), devices=4, fsdp_json=v2_json)
+    ckpt = marked_copy(first / "checkpoint-10", tmp_path / "checkpoint-10")
+    res = run_clm(resumed, "--resume_from_checkpoint", str(ckpt), devices=4, fsdp_json=v2_json)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     full, again = losses(first), losses(resumed)
+    # steps 1-10 come from the checkpoint (marked), 11-20 are trained again from its state
+    assert sorted(again) == list(range(1, 21)) and {again[s] for s in range(1, 11)} == {-1.0}
     assert all(again[s] == pytest.approx(full[s], abs=1e-6) for s in range(11, 21))
     from transformers import AutoModelForCausalLM
 

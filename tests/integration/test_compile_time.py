@@ -64,11 +64,14 @@ def test_accelerator_loaders_are_bucketed_to_the_models_length_with_its_pad_toke
         mask = torch.tensor([[1] * len(r) + [0] * (longest - len(r)) for r in rows])
         return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
+    import copy
+
     rows = [[7] * n for n in (3, 30, 70, 90, 20, 10)]
     accelerator = XlaFsdpAccelerator(fsdp_plugin=XlaFsdpPlugin())
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=4, n_positions=100,
                                        pad_token_id=5, bos_token_id=0, eos_token_id=0))
+    reference = copy.deepcopy(model).eval()  # the same weights, eager on the CPU, fed the unbucketed batches
     model, loader = accelerator.prepare(model, torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collate))
     assert loader._hf_xla_fsdp_watch is not None
     batches = [{k: v.cpu() for k, v in b.items()} for b in loader]
@@ -77,8 +80,14 @@ def test_accelerator_loaders_are_bucketed_to_the_models_length_with_its_pad_toke
         for row, n in enumerate((a, b)):
             assert batch["attention_mask"][row].sum() == n and (batch["labels"][row, n:] == -100).all()
             assert (batch["input_ids"][row, n:] == 5).all() and (batch["input_ids"][row, :n] == 7).all()
-    losses = [model(**{k: v.to(accelerator.device) for k, v in b.items()}).loss.item() for b in batches]
-    assert all(loss > 0 for loss in losses)
+    model.eval()
+    with torch.no_grad():
+        losses = [model(**{k: v.to(accelerator.device) for k, v in b.items()}).loss.item() for b in batches]
+        # each pair padded to its own longer row only (what the collator made): the bucket's extra padding is
+        # masked out of attention and of the loss, so the loss is the same (fp32: summation order only, <1e-5 of
+        # a loss near ln(128) = 4.85; a padding position counted in the loss moves it by ~1e-1)
+        expected = [reference(**collate(rows[i:i + 2])).loss.item() for i in range(0, len(rows), 2)]
+    assert losses == pytest.approx(expected, abs=1e-5)
 
 
 def wire_message_is_complete(data: bytes) -> bool:

@@ -155,7 +155,9 @@ def test_bad_dtype_and_shard_size(capsys, tmp_path, ckpt):
         main(["consolidate", str(ckpt), "--output", str(tmp_path / "out"), "--dtype", "int8"])
     assert err.value.code == 2 and not (tmp_path / "out").exists()
     capsys.readouterr()
-    assert_refused(capsys, tmp_path, "", ckpt, "--max-shard-size", "lots")
+    # huggingface_hub's size parser words it (its "Unit 'TS'" is the last two letters of the value); the line names
+    # the bad value and the units that work
+    assert_refused(capsys, tmp_path, "Supported units are TB, GB, MB, KB. Got 'lots'", ckpt, "--max-shard-size", "lots")
 
 
 def test_console_script_exit_code(tmp_path, ckpt):

@@ -21,9 +21,15 @@ def worker(mode: str, *args: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def slow_reports(tmp_path_factory) -> dict:
+    """The ``equal`` and ``bf16`` reports of one worker process (one start of a 4-device SPMD process, not two)."""
+    return worker("equal", "bf16", "--out", str(tmp_path_factory.mktemp("scan")))
+
+
 @pytest.mark.slow
-def test_scanned_training_equals_unrolled_for_llama_remat_and_gpt2():
-    report = worker("equal")
+def test_scanned_training_equals_unrolled_for_llama_remat_and_gpt2(slow_reports):
+    report = slow_reports["equal"]
     for family, run in report.items():
         unrolled, scanned = run["losses"]
         assert scanned == pytest.approx(unrolled, abs=1e-5), family
@@ -60,8 +66,8 @@ def test_checkpoints_cross_the_setting_and_consolidate(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_parameters_with_fp32_copies_under_scan(tmp_path):
-    run = worker("bf16", "--out", str(tmp_path))
+def test_bf16_parameters_with_fp32_copies_under_scan(slow_reports):
+    run = slow_reports["bf16"]
     unrolled, scanned = run["losses"]
     assert run["dtypes"] == ["torch.bfloat16"] and run["n_copies"] == 30  # every weight has its (stacked) fp32 copy
     assert scanned[0] == unrolled[0] and scanned == pytest.approx(unrolled, abs=1e-3)  # bf16 compute, fp32 updates

@@ -1,8 +1,9 @@
 """``scan_layers`` against the unrolled model, in one SPMD process over 4 XLA:CPU devices (FSDP v2).
 
-    python scan_worker.py {equal,lora,resume} [--out DIR]
+    python scan_worker.py {equal,lora,resume,bf16}... [--out DIR]
 
-Prints one JSON line. ``equal``: Llama (with and without activation checkpointing) and GPT-2 (tied embeddings),
+Prints one JSON line (with several modes, one object of their reports by mode). ``equal``: Llama (with and
+without activation checkpointing) and GPT-2 (tied embeddings),
 the same initial weights trained 2 AdamW steps unrolled and scanned: losses, the largest gradient and parameter
 differences. ``lora``: the same for a PEFT LoRA model (adapter gradients). ``resume``: a scanned model built on
 meta from a pretrained directory trains and saves a checkpoint, an unrolled one loads it (parameter differences)
@@ -210,13 +211,15 @@ def cmd_bf16(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["equal", "lora", "resume", "bf16"])
+    parser.add_argument("what", nargs="+", choices=["equal", "lora", "resume", "bf16"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.out is None:
         args.out = tempfile.mkdtemp()
-    result = {"equal": cmd_equal, "lora": cmd_lora, "resume": cmd_resume, "bf16": cmd_bf16}[args.what](args)
-    print(json.dumps(result))
+    commands = {"equal": cmd_equal, "lora": cmd_lora, "resume": cmd_resume, "bf16": cmd_bf16}
+    # several in one process share its start (imports, SPMD over 4 devices): {what: report} then
+    results = {what: commands[what](args) for what in args.what}
+    print(json.dumps(results[args.what[0]] if len(args.what) == 1 else results))
 
 
 if __name__ == "__main__":

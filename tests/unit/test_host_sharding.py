@@ -78,9 +78,15 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["per_param", "flatten_parameters"])
-@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model_name", list(MODELS))
+# Every pair of (model, dtype, layout) values, not the full product: 4 cases of 8 (the 4 left out took 59 s of this
+# file's 143 s in the fast tier, 2026-11-28, a loaded machine). Each setting meets each other setting, and the case
+# most likely to break (tied weights, flattened, cast to bf16) is one of them.
+PAIRWISE = [("gpt2_tied", "bfloat16", True), ("gpt2_tied", "float32", False), ("llama", "bfloat16", False),
+            ("llama", "float32", True)]
+
+
+@pytest.mark.parametrize("model_name,compute_dtype,flatten", PAIRWISE,
+                         ids=[f"{m}-{d}-{'flatten_parameters' if f else 'per_param'}" for m, d, f in PAIRWISE])
 def test_forward_and_training_step_equal_stock_fsdp(monkeypatch, model_name, compute_dtype, flatten):
     import torch_xla
 
