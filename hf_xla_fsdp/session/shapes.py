@@ -526,7 +526,7 @@ def watch_loader(loader: Any, watch: RecompileWatch) -> Any:
     try:
         loader.__class__ = _watched_class(type(loader))
         loader._hf_xla_fsdp_watch = watch
-    except TypeError:
+    except (TypeError, AttributeError):  # accelerate's DataLoaderShard makes __class__ a read-only property
         logger.debug("%s cannot be watched for new graphs", type(loader).__name__)
     return loader
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -51,7 +52,12 @@ def device_kind() -> str:
     Under SPMD (FSDP v2) the process's device is a virtual one the runtime gives no kind (``Unknown device SPMD:0``):
     on TPU the slice's accelerator type names the generation instead (``v5litepod``, ``v6e``: torch_xla reads it from
     the TPU VM's metadata), elsewhere the runtime's device type (``cpu``). Never raises: a kind it cannot read is
-    ``unknown`` (no MFU; tokens per second are logged all the same)."""
+    ``unknown`` (no MFU; tokens per second are logged all the same). A process whose engine runs without torch_xla
+    (fsdp2: torch_xla never imported) gets torch's default device type (``cpu``, ``cuda``): nothing imports it here."""
+    if "torch_xla" not in sys.modules:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
@@ -72,7 +78,9 @@ def device_kind() -> str:
 
 def _waits() -> tuple[int, float]:
     """Device-to-host reads so far, and the seconds spent in them and in compiling, from torch_xla's metrics (host
-    counters: reading them waits for nothing)."""
+    counters: reading them waits for nothing); none where torch_xla is not this process's runtime (fsdp2)."""
+    if "torch_xla" not in sys.modules:
+        return 0, 0.0
     import torch_xla.debug.metrics as met
 
     reads, compiles = met.metric_data("TransferFromDeviceTime"), met.metric_data("CompileTime")
@@ -131,7 +139,13 @@ class Throughput:
             except Exception as err:  # noqa: BLE001 - a model the skeleton builder cannot build: no FLOPs, tokens still
                 logger.info("throughput: model FLOPs unknown (%s: %s): tflops and mfu are not logged",
                             type(err).__name__, err)
-        return cls(flops, devices=runtime.device_count(), processes=runtime.process_count(), kind=device_kind())
+        if "torch_xla" in sys.modules:
+            devices, processes = runtime.device_count(), runtime.process_count()
+        else:  # an engine without torch_xla (fsdp2): one device per torch.distributed process
+            import torch.distributed as dist
+
+            devices = processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return cls(flops, devices=devices, processes=processes, kind=device_kind())
 
     def _reset(self) -> None:
         self._tokens = 0
@@ -224,7 +238,7 @@ def observe_loader(loader: Any, meter: Callable[[], Optional[Throughput]]) -> An
     try:
         loader.__class__ = _observed_class(type(loader))
         loader._hf_xla_fsdp_throughput = meter
-    except TypeError:
+    except (TypeError, AttributeError):  # accelerate's DataLoaderShard makes __class__ a read-only property
         logger.debug("%s cannot be observed for throughput", type(loader).__name__)
     return loader
 

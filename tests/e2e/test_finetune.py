@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 from hf_xla_fsdp import ConfigError, XlaFsdpAccelerator, XlaFsdpPlugin
 from hf_xla_fsdp.cli import main as cli
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 peft = pytest.importorskip("peft")
 FAMILIES = {
     # tied input/output embeddings
@@ -246,7 +248,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from peft import LoraConfig, PeftModel, get_peft_model
 from hf_xla_fsdp import XlaFsdpAccelerator, XlaFsdpPlugin
 
-pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 root = Path(sys.argv[1])
 torch.manual_seed(0)
 LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -16,6 +16,8 @@ from hf_xla_fsdp.checkpoint.background import pending_save
 from hf_xla_fsdp.errors import CheckpointError
 from hf_xla_fsdp.runtime import sync, xla_device
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 def step(model, optimizer, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
@@ -94,7 +96,6 @@ import torch
 from helpers import build_rank, tiny_llama
 from hf_xla_fsdp.checkpoint import save_checkpoint
 
-pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 model = build_rank(tiny_llama(), 1, 0)
 save_checkpoint(sys.argv[1] + "/ckpt", model, async_save=True)
 print("returned", flush=True)

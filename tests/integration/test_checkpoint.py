@@ -17,6 +17,8 @@ from helpers import consolidate as xla_consolidate
 from hf_xla_fsdp.checkpoint import load_checkpoint, staging_dir
 from hf_xla_fsdp.checkpoint.readers import COMPLETE_MARKER, CheckpointError, open_checkpoint
 
+pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
+
 
 def _consolidated_optimizer_state(models, optimizers, key):
     """The full-size ``key`` (e.g. exp_avg) of every parameter, assembled like parameters."""
@@ -122,7 +124,6 @@ sys.path.insert(0, {tests!r})
 from helpers import build_ranks, save_ranks, tiny_llama
 from pathlib import Path
 
-pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
 root, start = Path(sys.argv[1]), int(sys.argv[2])
 models = build_ranks(tiny_llama(hidden_size=256, intermediate_size=512, num_hidden_layers=4, vocab_size=1024), 2)
 i = start
