@@ -142,16 +142,29 @@ def patch_gather_object(on_xla: Callable[[Any], list[Any]]) -> None:
     from accelerate.utils import operations
 
     state = process_state()
-    target = operations.gather_object
-    if target.__code__ is not _patched_gather_object.__code__:
-        if target.__code__.co_freevars or target.__code__.co_varnames[:1] != ("object",):
-            raise ConfigError("accelerate.utils.operations.gather_object changed shape; hf_xla_fsdp cannot make it "
-                              "gather on XLA (`hf-xla-fsdp env` lists the supported accelerate versions)")
-        state.upstream_gather_object = types.FunctionType(target.__code__, target.__globals__, target.__name__,
-                                                          target.__defaults__, target.__closure__)
-        target.__code__ = _patched_gather_object.__code__
-        state.patched.add("gather_object")
+    upstream = swap_code(operations.gather_object, _patched_gather_object, ("object",), "gather_object",
+                         "accelerate.utils.operations.gather_object changed shape; hf_xla_fsdp cannot make it gather "
+                         "on XLA (`hf-xla-fsdp env` lists the supported accelerate versions)")
+    if upstream is not None:
+        state.upstream_gather_object = upstream
     state.gather_object_on_xla = on_xla
+
+
+def swap_code(target: types.FunctionType, replacement: Callable[..., Any], leading: tuple[str, ...], name: str,
+              changed: str) -> Optional[types.FunctionType]:
+    """Install ``replacement``'s code into the function object ``target`` (every name bound to it sees the patch) and
+    return a copy of ``target`` as upstream wrote it; ``None`` when it is patched already. ``leading``: the parameter
+    names ``target`` must start with, else ``changed`` is raised (upstream changed shape); ``name`` is recorded in the
+    process state's ``patched``."""
+    code = target.__code__
+    if code is replacement.__code__:
+        return None
+    if code.co_freevars or code.co_varnames[:len(leading)] != leading:
+        raise ConfigError(changed)
+    upstream = types.FunctionType(code, target.__globals__, target.__name__, target.__defaults__, target.__closure__)
+    target.__code__ = replacement.__code__
+    process_state().patched.add(name)
+    return upstream
 
 
 # --------------------------------------------------------------------------- accelerate's extract_model_from_parallel
@@ -183,18 +196,17 @@ def patch_extract_model() -> None:
     """
     from accelerate.utils import other
 
-    state = process_state()
     target = other.extract_model_from_parallel
-    if target.__code__ is _patched_extract.__code__:
-        return
-    names = target.__code__.co_varnames[:target.__code__.co_argcount]
-    if target.__code__.co_freevars or names != ("model", "keep_fp32_wrapper", "keep_torch_compile", "recursive"):
-        raise ConfigError("accelerate.utils.other.extract_model_from_parallel changed shape; hf_xla_fsdp cannot make it "
-                          "see through XLA FSDP units (`hf-xla-fsdp env` lists the supported accelerate versions)")
-    state.upstream_extract_model = types.FunctionType(target.__code__, target.__globals__, target.__name__,
-                                                      target.__defaults__, target.__closure__)
-    target.__code__ = _patched_extract.__code__
-    state.patched.add("extract_model_from_parallel")
+    if target.__code__.co_argcount != 4:  # exactly upstream's four parameters, which the replacement passes on
+        raise ConfigError(_EXTRACT_CHANGED)
+    upstream = swap_code(target, _patched_extract, ("model", "keep_fp32_wrapper", "keep_torch_compile", "recursive"),
+                         "extract_model_from_parallel", _EXTRACT_CHANGED)
+    if upstream is not None:
+        process_state().upstream_extract_model = upstream
+
+
+_EXTRACT_CHANGED = ("accelerate.utils.other.extract_model_from_parallel changed shape; hf_xla_fsdp cannot make it see "
+                    "through XLA FSDP units (`hf-xla-fsdp env` lists the supported accelerate versions)")
 
 
 # --------------------------------------------------------------------------- lazy from_pretrained / from_config
