@@ -52,6 +52,8 @@ def warm_up() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # XLA:CPU's client pool sized for two 4-device programs in flight (tests/conftest.py says why); smoke only
+    os.environ.setdefault("PJRT_NPROC", "8")
     os.environ["HF_XLA_FSDP_COMPILATION_CACHE"] = "none"  # a smoke run never writes the user's cache
     flags = os.environ.get("XLA_FLAGS", "").split()  # the test suite's conftest may have set them already
     os.environ["XLA_FLAGS"] = " ".join(flags + [f for f in FAST_COMPILE if f not in flags])

@@ -6,6 +6,15 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # every test runs on XLA:CPU
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# XLA:CPU runs each device's part of a program as a task of one client thread pool of max(cores, devices) threads
+# (xla/pjrt/cpu/cpu_client.cc), and a collective holds its threads until every device's task has joined. On 2 cores
+# with 4 devices that pool is 4 threads: when a second program is dispatched before the first has finished (an SPMD
+# step is two: the backward's sync, the optimizer's), its tasks can take the threads the first one's last device
+# still needs, and XLA aborts the process after its fixed 10 s rendezvous timeout (seen in CI under load: device 0
+# in two programs' rendezvous at once, "only 3 of 4 arrived"). PJRT_NPROC sizes that pool (and the intra-op pool):
+# 8 holds two programs of 4 devices, the most any test uses. Not for figures: 8 intra-op threads on 2 cores make a
+# 1024x1024 matmul about 15% slower (measured), so the benchmarks' own runs keep XLA's default.
+os.environ.setdefault("PJRT_NPROC", "8")
 # tests never write the user's default compilation cache; the cache tests choose their folders
 os.environ.setdefault("HF_XLA_FSDP_COMPILATION_CACHE", "none")
 # XLA:CPU's LLVM code generation unoptimized, in this process and every process a test starts (they inherit it):
