@@ -64,7 +64,6 @@ class XlaFsdpAccelerator(Accelerator):
             session.checkpoints.progress = self.is_main_process
         self._xla_fsdp_own_session = own  # a Trainer's accelerator: the Trainer measures throughput itself
         self._moved_params: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> its sharded parameter
-        self._state_dict_calls = 0
 
     @property
     def xla_fsdp_plugin(self) -> XlaFsdpPlugin:
@@ -297,9 +296,7 @@ class XlaFsdpAccelerator(Accelerator):
         """
         if not is_wrapped(model):
             return super().get_state_dict(model, unwrap=unwrap)
-        self._state_dict_calls += 1
-        return self.xla_fsdp_session.checkpoints.full_state_dict(model, is_main=self.is_main_process,
-                                                                 call=self._state_dict_calls)
+        return self.xla_fsdp_session.checkpoints.full_state_dict(model, is_main=self.is_main_process)
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
@@ -322,21 +319,10 @@ class XlaFsdpAccelerator(Accelerator):
                          save_directory: Union[str, os.PathLike], *args: Any, is_main_process: bool = True,
                          state_dict: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any) -> None:
         """``save_pretrained`` of a sharded model: full weights gathered, written to a staging dir, then moved in."""
-        checkpoints = self.xla_fsdp_session.checkpoints
-        if state_dict is None and checkpoints.is_peft(model):  # adapters only: the base is never read back
-            checkpoints.save_pretrained(model, save_directory, is_main=is_main_process, step=self.step)
-            return
-        if state_dict is None:
-            state_dict = self.get_state_dict(model)  # every process takes part
-        elif is_main_process and not state_dict:
-            raise ConfigError("save_pretrained got an empty state_dict on the main process; pass "
-                              "state_dict=accelerator.get_state_dict(model) from every process")
-        if is_main_process:
-            if not checkpoints.is_peft(model):  # peft selects its own tensors from the full state dict
-                checkpoints.check_state_dict(inner, state_dict)
-            checkpoints.staged_directory(save_directory, lambda stage: original(
-                inner, str(stage), *args, is_main_process=True, state_dict=state_dict, **kwargs))
-        self.wait_for_everyone()
+        self.xla_fsdp_session.checkpoints.save_pretrained_through(
+            model, lambda stage, full: original(inner, str(stage), *args, is_main_process=True, state_dict=full,
+                                                **kwargs),
+            save_directory, is_main=is_main_process, step=self.step, state_dict=state_dict)
 
     def save_model(self, model: torch.nn.Module, save_directory: Union[str, os.PathLike],
                    max_shard_size: Union[int, str, None] = None, safe_serialization: bool = True,

@@ -33,7 +33,7 @@ from ..process import process_state
 from ..session import PreemptionGuard, XlaFsdpSession
 from ..session.throughput import Throughput
 from . import patches
-from .trl_hooks import PathModel, TrlModelHooks, is_trl_trainer, model_init_sources, reference_model
+from .trl_hooks import PathModel, is_trl_trainer, model_init_sources, trl_trainer_init
 
 upstream.require("trainer")  # the Trainer internals overridden below are there, as this module expects them
 logger = logging.getLogger(__name__)
@@ -128,15 +128,9 @@ class XlaFsdpTrainerMixin:
         elif model is not None:
             params["model"] = self._materialize(model, training_args, wrap_root=False)
         # the other models a TRL trainer builds by path (reference, reward models) are built by the session too
-        hooks = TrlModelHooks(self.xla_fsdp_session, params["model"] if trl and by_path else None,
-                              params.get("peft_config") if trl and by_path else None, seed=training_args.seed,
-                              progress=training_args.should_log) if trl else None
-        with hooks.installed(type(self)) if hooks is not None else contextlib.nullcontext():
-            if hooks is not None and "ref_model" in bound.signature.parameters and by_path:
-                params["ref_model"] = reference_model(hooks, params.get("ref_model"), training_args)
+        with trl_trainer_init(self, bound, self.xla_fsdp_session, training_args, by_path=by_path) if trl \
+                else contextlib.nullcontext():
             super().__init__(*bound.args, **bound.kwargs)
-        if hooks is not None and hooks.precompute_only is not None and getattr(self, "ref_model", None) is hooks.precompute_only:
-            self.ref_model = None  # its log-probs are in the datasets now: the reference is freed before training
         if self.model is not None:
             self.model = self.model_wrapped = self.xla_fsdp_session.finish_wrapping(self.model)
         if trl:  # GRPO / RLOO: rollouts generate in fixed shapes (integrations/rollout.py)

@@ -231,3 +231,20 @@ def reference_model(hooks: TrlModelHooks, ref_model: Any, args: Any) -> Any:
         hooks.precompute_only = hooks._inference_model(_source(hooks.policy.source, {}), None)
         return hooks.precompute_only
     return ref_model
+
+
+@contextlib.contextmanager
+def trl_trainer_init(trainer: Any, bound: Any, session: "XlaFsdpSession", args: Any, *, by_path: bool) -> Iterator[None]:
+    """Around a TRL trainer's own ``__init__`` (``trainer``'s, called with ``bound``'s arguments inside): its model
+    building goes through :class:`TrlModelHooks`; a ``ref_model`` given by path (or needed only to precompute
+    log-probs) is built by :func:`reference_model`, and the latter is dropped once that ``__init__`` has used it.
+    ``by_path``: the policy was given as a path or config (``bound``'s ``model`` is a :class:`PathModel`)."""
+    params = bound.arguments
+    hooks = TrlModelHooks(session, params["model"] if by_path else None, params.get("peft_config") if by_path else None,
+                          seed=args.seed, progress=args.should_log)
+    with hooks.installed(type(trainer)):
+        if by_path and "ref_model" in bound.signature.parameters:
+            params["ref_model"] = reference_model(hooks, params.get("ref_model"), args)
+        yield
+    if hooks.precompute_only is not None and getattr(trainer, "ref_model", None) is hooks.precompute_only:
+        trainer.ref_model = None  # its log-probs are in the datasets now: the reference is freed before training

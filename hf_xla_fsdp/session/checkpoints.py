@@ -56,6 +56,7 @@ class CheckpointManager:
         self.mode = AsyncMode.ASYNC if session.plugin.async_save else AsyncMode.SYNC
         #: progress bars for consolidations (the integrations set it from ``disable_tqdm`` / the main process)
         self.progress = True
+        self._full_state_dicts = 0  # names each full_state_dict's temporary checkpoint alike on every process
 
     # ----------------------------------------------------------------- sharded checkpoints
     def save(self, directory: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -209,15 +210,17 @@ class CheckpointManager:
             consolidate_adapters(ranks, load_config(None, ranks), output,
                                  side_sources=[] if output == ckpt else [ckpt])
 
-    def full_state_dict(self, model: nn.Module, *, is_main: bool, call: int) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: nn.Module, *, is_main: bool) -> dict[str, torch.Tensor]:
         """The full, unsharded state dict with the original names on the main process (``{}`` elsewhere).
 
-        Every process calls it with the same ``call`` number. Each rank's shard goes to a temporary sharded
+        Every process calls it, as many times as the others. Each rank's shard goes to a temporary sharded
         checkpoint that the main process reads back tensor by tensor (``HF_XLA_FSDP_TMPDIR`` picks where; it must
         be visible to every process of the run).
         """
         from ..checkpoint.consolidate import read_full_state_dict
 
+        self._full_state_dicts += 1
+        call = self._full_state_dicts
         root = Path(os.environ.get("HF_XLA_FSDP_TMPDIR") or tempfile.gettempdir())
         # the same name on every process of this run without communication: the launcher's pid and a counter
         launcher = os.getppid() if self.session.engine.multi_process() else os.getpid()
@@ -230,6 +233,29 @@ class CheckpointManager:
                 self.barrier("hf_xla_fsdp.state_dict.read")
             if is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+    def save_pretrained_through(self, model: nn.Module, write: Callable[[Path, dict[str, torch.Tensor]], None],
+                                save_directory: PathLike, *, is_main: bool, step: int,
+                                state_dict: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """The model class's own ``save_pretrained`` for a wrapped model (accelerate scripts' final save):
+        ``write(stage, full_state_dict)`` into a staging directory merged into ``save_directory``. Every process
+        calls it. A PEFT model without a ``state_dict`` saves its adapters only (the base is never read back); a
+        ``state_dict`` of another model, or an empty one on the main process, is refused before anything is written.
+        """
+        if state_dict is None and self.is_peft(model):
+            self.save_pretrained(model, save_directory, is_main=is_main, step=step)
+            return
+        if state_dict is None:
+            state_dict = self.full_state_dict(model, is_main=is_main)  # every process takes part
+        elif is_main and not state_dict:
+            raise ConfigError("save_pretrained got an empty state_dict on the main process; pass "
+                              "state_dict=accelerator.get_state_dict(model) from every process")
+        if is_main:
+            if not self.is_peft(model):  # peft selects its own tensors from the full state dict
+                self.check_state_dict(self.session.unwrap(model), state_dict)
+            self.staged_directory(save_directory, lambda stage: write(stage, state_dict))
+        if self.barrier is not None:
+            self.barrier("hf_xla_fsdp.save_pretrained.done")
 
     @staticmethod
     def staged_directory(save_directory: PathLike, write: Callable[[Path], None]) -> None:

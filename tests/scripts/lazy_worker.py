@@ -46,7 +46,7 @@ def wrapped(model) -> tuple[dict, torch.Tensor]:
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=IDS.to(xla_device())).logits.cpu()
-    return session.checkpoints.full_state_dict(model, is_main=True, call=1), logits
+    return session.checkpoints.full_state_dict(model, is_main=True), logits
 
 
 # 1. loaded lazily: nothing on the host; wrapped, it equals the eager load wrapped the same way, bit for bit
