@@ -199,7 +199,9 @@ def training_info(ranks: RankSet) -> dict[str, Any]:
     if not meta:
         return {"engine": "xla_fsdp_v1", "world_size": ranks.world_size}
     pieces = ranks.layout == LAYOUT_PIECES  # FSDP v2 saves one file per process; its world is the device count
-    engine = "xla_fsdp_v2" if pieces else "xla_fsdp_v1"
+    plugin = meta.get("plugin") or {}
+    # fsdp2 writes the same piece layout as FSDP v2: the plugin record names the engine
+    engine = "fsdp2" if plugin.get("engine") == "fsdp2" else "xla_fsdp_v2" if pieces else "xla_fsdp_v1"
     world = meta.get("devices", ranks.world_size) if pieces else ranks.world_size
     extra = meta.get("extra") or {}
     losses = extra.get("losses") or {}

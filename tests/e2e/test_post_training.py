@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, USER_SCRIPTS, run_python
+from helpers import ROOT, USER_SCRIPTS, fsdp2_env, run_python
 from trl_helpers import WORDS, save_tiny_model
 
 pytest.importorskip("trl")
@@ -136,10 +137,12 @@ def test_dpo_on_v2_four_devices_in_bf16_follows_stock_fp32(llama, tmp_path_facto
                                                  "model.safetensors")).is_file()
 
 
-def test_trl_dpo_script_unmodified_under_the_launcher(llama, tmp_path):
-    """TRL's own trl/scripts/dpo.py (tests/official/dpo.py, byte for byte) under `hf-xla-fsdp launch` on FSDP v1: the
-    script gives DPOTrainer the model's path (TRL builds policy and reference, here on meta and sharded); 2 steps
-    log their losses and the saved model loads with from_pretrained."""
+@pytest.mark.parametrize("engine", ["v1", "fsdp2"])
+def test_trl_dpo_script_unmodified_under_the_launcher(llama, tmp_path, engine):
+    """TRL's own trl/scripts/dpo.py (tests/official/dpo.py, byte for byte) under `hf-xla-fsdp launch` on FSDP v1 and on
+    engine fsdp2 (torch's fully_shard in 2 real processes, CPU/gloo, torch_xla unimportable): the script gives
+    DPOTrainer the model's path (TRL builds policy and reference, here on meta and sharded); 2 steps log their losses
+    and the saved model loads with from_pretrained."""
     from transformers import AutoModelForCausalLM
     from trl_helpers import preference_rows
 
@@ -148,13 +151,21 @@ def test_trl_dpo_script_unmodified_under_the_launcher(llama, tmp_path):
     (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in preference_rows(16)))
     out = tmp_path / "out"
     env = {"HF_XLA_FSDP": None, "USE_HF_XLA_FSDP": None, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    res = run_python(["-m", "hf_xla_fsdp.cli", "launch", "--fsdp_config", '{"xla": true}', OFFICIAL_DPO,
-                      "--model_name_or_path", llama, "--dataset_name", data, "--output_dir", out, "--max_steps", "2",
-                      "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--logging_steps", "1",
-                      "--report_to", "none", "--max_length", "16", "--dtype", "float32", "--bf16", "false",
-                      "--save_strategy", "no", "--seed", "1"], env=env, timeout=900)
+    launch = ["--fsdp_config", '{"xla": true}'] if engine == "v1" else \
+        ["--num_processes", "2", "--fsdp_config", '{"engine": "fsdp2"}']
+    args = ["-m", "hf_xla_fsdp.cli", "launch", *launch, OFFICIAL_DPO, "--model_name_or_path", llama, "--dataset_name",
+            data, "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size", "4", "--learning_rate",
+            "1e-3", "--logging_steps", "1", "--report_to", "none", "--max_length", "16", "--dtype", "float32", "--bf16",
+            "false", "--save_strategy", "no", "--seed", "1"]
+    if engine == "v1":
+        res = run_python(args, env=env, timeout=900)
+    else:
+        res = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=fsdp2_env(env), capture_output=True,
+                             text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
-    assert len(re.findall(r"'loss': ", res.stdout + res.stderr)) == 2, res.stdout[-2000:]  # logged every step
-    assert json.loads((out / "xla_fsdp_training.json").read_text())["engine"] == "xla_fsdp_v1"
+    # logged every step (by the main process only)
+    assert len(re.findall(r"'loss': ", res.stdout + res.stderr)) == 2, res.stdout[-2000:]
+    record = json.loads((out / "xla_fsdp_training.json").read_text())
+    assert record["engine"] == {"v1": "xla_fsdp_v1", "fsdp2": "fsdp2"}[engine], record
     with torch.no_grad():
         assert torch.isfinite(_logits(AutoModelForCausalLM.from_pretrained(out), len(WORDS))).all()
