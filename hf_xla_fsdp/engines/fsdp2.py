@@ -205,6 +205,20 @@ def _first_replica(tensor: Any) -> bool:
     return all(mesh.get_local_rank(dim) == 0 for dim, p in enumerate(tensor.placements) if isinstance(p, Replicate))
 
 
+def _untied_ends(model: nn.Module) -> list[nn.Module]:
+    """The input embeddings and the output layer of a transformers model, where neither shares a parameter with the
+    other (a tied pair stays in the root unit: one parameter cannot be in two units) and no unit holds them yet."""
+    from torch.distributed.fsdp import FSDPModule
+
+    ends = [getter() for getter in (getattr(model, "get_input_embeddings", None),
+                                    getattr(model, "get_output_embeddings", None)) if getter is not None]
+    ends = [m for m in ends if isinstance(m, nn.Module) and not isinstance(m, FSDPModule)
+            and any(True for _ in m.parameters())]
+    if len(ends) == 2 and {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[1].parameters()}:
+        return []
+    return ends
+
+
 @torch.no_grad()
 def shard_module(module: nn.Module, plugin: "XlaFsdpPlugin", reshard_after_forward: Optional[bool]) -> nn.Module:
     """``fully_shard(module)`` without ever placing a full parameter on the device.
@@ -419,6 +433,10 @@ class Fsdp2(Engine):
             from ..checkpoint.codec import tag
 
             model.requires_grad_(False)
+            # the embeddings and the LM head as units of their own: a forward gathers one of them at a time, not both
+            # (as one root unit they are gathered together for the whole forward: a third of a 168M Llama)
+            for part in _untied_ends(model):
+                tag(shard_module(part, plugin, reshard_after_forward=True), self)
             return self._for_inference(tag(shard_module(model, plugin, reshard_after_forward=True), self), plugin).eval()
         return super().wrap_root(model, plugin)
 

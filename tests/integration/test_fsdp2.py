@@ -68,7 +68,7 @@ def test_checkpoints_move_between_xla_v2_and_fsdp2_and_consolidate_without_torch
     evaluation = json.loads((fsdp2 / "result.json").read_text())["evaluation"]
     assert evaluation.pop("loss") == pytest.approx(eager[0], abs=1e-4)
     assert evaluation == {"evaluation_mode": True, "training": False, "trainable": 0, "sharded": True,
-                          "loss_has_graph": False}
+                          "loss_has_graph": False, "ends_are_units": [True, True]}
 
     # fsdp2's rank files consolidate, with torch_xla unimportable, to exactly the model it held after step 4
     out = tmp_path / "consolidated"

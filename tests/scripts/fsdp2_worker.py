@@ -78,6 +78,7 @@ def evaluation_check(plugin: XlaFsdpPlugin, rank: int, world: int) -> dict:
     """A model built in evaluation mode (a reference model: frozen, no optimizer state): what it holds, and its loss on
     step 1's global batch (the freshly initialized model's, as eager training's first loss)."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from hf_xla_fsdp.engines import in_evaluation_mode
@@ -91,7 +92,10 @@ def evaluation_check(plugin: XlaFsdpPlugin, rank: int, world: int) -> dict:
     return {"evaluation_mode": in_evaluation_mode(frozen), "training": frozen.training,
             "trainable": sum(p.requires_grad for p in frozen.parameters()),
             "sharded": all(isinstance(p, DTensor) for p in frozen.parameters()),
-            "loss_has_graph": loss.requires_grad, "loss": loss.item() / world}
+            "loss_has_graph": loss.requires_grad, "loss": loss.item() / world,
+            # untied embeddings and LM head: units of their own, so a forward gathers one at a time
+            "ends_are_units": [isinstance(m, FSDPModule) for m in (frozen.get_input_embeddings(),
+                                                                   frozen.get_output_embeddings())]}
 
 
 def run_v2(args: argparse.Namespace, plugin: XlaFsdpPlugin) -> list[float]:
