@@ -16,11 +16,16 @@ Every rank reports its own VmHWM above its baseline (the RSS after the imports).
 reference adds at most its shard, ``model bytes / N`` plus one block, to each rank's peak. The model: a Llama of
 ~168M parameters (hidden 1024, 8 layers, vocab 32000; 643 MiB fp32), fp32, AdamW, 16-token sequences (activations
 are small next to the weights, so the figure is the weights'). ``--smoke``: a tiny model and one step.
+
+glibc's allocator moves these figures by +-100 MiB between ranks and runs (heap fragmentation around FSDP's gathered
+blocks); ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment (the children inherit it) takes that out, and the report
+says which allocator setting ran (RESULTS.md has both).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import tempfile
@@ -125,7 +130,8 @@ def main() -> None:
     reference_share = sizing["total_bytes"] / args.world_size + largest
     report: dict = {"smoke": args.smoke, "model_params": sizing["total_params"], "model_mib": mib(sizing["total_bytes"]),
                     "world_size": args.world_size, "largest_block_mib": mib(largest), "root_unit_mib": mib(root),
-                    "target_extra_mib": mib(reference_share)}
+                    "target_extra_mib": mib(reference_share),
+                    "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")}
     with tempfile.TemporaryDirectory(prefix="dpo_memory-") as tmp:
         make_model(Path(tmp) / "model", model)
         runs = {}
