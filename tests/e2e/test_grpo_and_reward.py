@@ -101,3 +101,35 @@ def test_grpo_six_steps_compile_no_graph_after_step_two(llama, tmp_path_factory,
         model = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         assert torch.isfinite(_logits(model, len(WORDS))).all()
+
+
+def test_trl_grpo_script_unmodified_under_the_launcher(llama, tmp_path):
+    """TRL's own grpo.py (the installed package's trl/scripts/grpo.py, what `trl grpo` runs) under `hf-xla-fsdp
+    launch` on FSDP v1, with a Python reward function named by its import path as the script takes it: 2 steps log
+    their loss and reward, and the saved model loads with from_pretrained."""
+    import re
+
+    import trl
+    from transformers import AutoModelForCausalLM
+    from trl_helpers import prompt_rows
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompt_rows(16)))
+    out = tmp_path / "out"
+    script = Path(trl.__file__).parent / "scripts" / "grpo.py"
+    env = {"HF_XLA_FSDP": None, "USE_HF_XLA_FSDP": None, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    # the script imports a dotted --reward_funcs from its working directory: tests/, where trl_helpers lives
+    res = run_python(["-m", "hf_xla_fsdp.cli", "launch", "--fsdp_config", '{"xla": true}', script,
+                      "--model_name_or_path", llama, "--dataset_name", data, "--reward_funcs",
+                      "trl_helpers.counting_reward", "--output_dir", out, "--max_steps", "2",
+                      "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+                      "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none", "--dtype", "float32",
+                      "--bf16", "false", "--save_strategy", "no", "--seed", "1"],
+                     env=env, cwd=Path(__file__).resolve().parents[1], timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+    logs = res.stdout + res.stderr
+    assert len(re.findall(r"'loss': ", logs)) == 2 and len(re.findall(r"'reward': ", logs)) == 2, logs[-3000:]
+    assert json.loads((out / "xla_fsdp_training.json").read_text())["engine"] == "xla_fsdp_v1"
+    with torch.no_grad():
+        assert torch.isfinite(_logits(AutoModelForCausalLM.from_pretrained(out), len(WORDS))).all()
