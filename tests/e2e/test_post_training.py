@@ -109,14 +109,17 @@ def test_dpo_on_v1_equals_stock_step_by_step_saves_and_resumes(llama, tmp_path_f
     torch.testing.assert_close(_logits(saved, len(WORDS)), recorded, atol=1e-5, rtol=0)  # XLA:CPU vs CPU, fp32
     assert (recorded - untrained).abs().max() > 1e-3  # it trained
 
-    if variant == "full":  # resumed from checkpoint-2: only steps 3 and 4 run, with the uninterrupted run's losses
-        resumed = _dpo(llama, tmp / "resumed", *VARIANTS[variant], *XLA_V1, "--save_steps", "2",
-                       "--resume_from_checkpoint", str(out / "checkpoint-2"))
-        assert resumed["steps_run"] == [[3, 4]]  # not a silent rerun from scratch
-        assert _series(resumed, "loss")[2:] == losses[2:]
-        assert load_file(tmp / "resumed" / "model.safetensors").keys() == load_file(out / "model.safetensors").keys()
-        for name, tensor in load_file(tmp / "resumed" / "model.safetensors").items():
-            assert torch.equal(tensor, load_file(out / "model.safetensors")[name]), name
+    # resumed from checkpoint-2: only steps 3 and 4 run, with the uninterrupted run's losses, and end with the same
+    # weights bit for bit (LoRA: the adapters; its reference log-probs are recomputed by the resumed run's __init__)
+    resumed = _dpo(llama, tmp / "resumed", *VARIANTS[variant], *XLA_V1, "--save_steps", "2",
+                   "--resume_from_checkpoint", str(out / "checkpoint-2"))
+    assert resumed["steps_run"] == [[3, 4]]  # not a silent rerun from scratch
+    assert _series(resumed, "loss")[2:] == losses[2:]
+    weights = "adapter_model.safetensors" if variant == "lora" else "model.safetensors"
+    final, again = load_file(out / weights), load_file(tmp / "resumed" / weights)
+    assert again.keys() == final.keys()
+    for name, tensor in again.items():
+        assert torch.equal(tensor, final[name]), name
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
