@@ -125,19 +125,29 @@ def test_dpo_on_v1_equals_stock_step_by_step_saves_and_resumes(llama, tmp_path_f
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_dpo_on_v2_four_devices_in_bf16_follows_stock_fp32(llama, tmp_path_factory, variant):
     """TRL's default precision (bf16) on 4 devices: the reference (built by TRL's own call, from the policy's path,
-    for "full"; no --explicit_ref) and the policy compute in bf16; the losses follow the stock fp32 run."""
+    for "full"; no --explicit_ref) and the policy compute in bf16; the losses follow the stock fp32 run; a resume from
+    checkpoint-2 on the 4 devices repeats steps 3-4 exactly."""
+    from safetensors.torch import load_file
+
     from hf_xla_fsdp.checkpoint import read_marker
 
     stock = stock_dpo(llama, tmp_path_factory.getbasetemp(), variant)
     out = tmp_path_factory.mktemp(f"dpo-v2-{variant}") / "ours"
     extra = [a for a in VARIANTS[variant] if a != "--explicit_ref"]
-    ours = _dpo(llama, out, *extra, *XLA_V2, "--bf16", "true", "--save_steps", "4", devices=4)
+    v2 = [*extra, *XLA_V2, "--bf16", "true", "--save_steps", "2"]
+    ours = _dpo(llama, out, *v2, devices=4)
     for key in ("loss", "rewards/margins"):
         diff = max(abs(a - b) for a, b in zip(_series(ours, key), _series(stock, key)))
         assert diff <= BF16_LOSS, (key, diff, _series(ours, key), _series(stock, key))
     marker = read_marker(out / "checkpoint-4")
-    assert marker["world_size"] == 1 and (out / ("adapter_model.safetensors" if variant == "lora" else
-                                                 "model.safetensors")).is_file()
+    weights = "adapter_model.safetensors" if variant == "lora" else "model.safetensors"
+    assert marker["world_size"] == 1 and (out / weights).is_file()
+    # resumed from checkpoint-2 on the 4 devices: steps 3 and 4 as the uninterrupted run, the same weights bit for bit
+    resumed = _dpo(llama, out.parent / "resumed", *v2, "--resume_from_checkpoint", str(out / "checkpoint-2"), devices=4)
+    assert resumed["steps_run"] == [[3, 4]]
+    assert _series(resumed, "loss")[2:] == _series(ours, "loss")[2:]
+    final, again = load_file(out / weights), load_file(out.parent / "resumed" / weights)
+    assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
 
 
 @pytest.mark.parametrize("engine", ["v1", "fsdp2"])
