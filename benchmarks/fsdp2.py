@@ -14,6 +14,9 @@ step: a small Llama trained for ``--steps`` optimizer steps on 2 processes (torc
 ``fsdp_config={"engine": "fsdp2"}``, and by a hand-written loop of plain torch (``fully_shard`` per decoder layer
 and the root, fused AdamW, ``clip_grad_norm_`` 1.0, the same per-process batches); the median step time after
 ``--warmup`` steps, same run. Target: Trainer / loop <= 1.05. The machine is shared: ratios, not absolute times.
+Like with like: the loop's loss is each process's mean, so the Trainer runs with ``average_tokens_across_devices=False``
+(transformers' default, True, weights the loss by the tokens of every process: one more collective per step, which
+measured 1.108 against 1.008 on a quiet machine; RESULTS.md).
 ``--smoke``: tiny models and a few steps (checks that it runs, not the figures).
 """
 
@@ -151,7 +154,8 @@ def child_trainer(model_dir: str, model: dict, steps: int, batch: int, seq: int,
     ids = _data(model, batch * world * steps, seq)
     args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps,
                              learning_rate=1e-4, logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True, dataloader_drop_last=True, fsdp_config={"engine": "fsdp2"})
+                             disable_tqdm=True, dataloader_drop_last=True, fsdp_config={"engine": "fsdp2"},
+                             average_tokens_across_devices=False)  # the loop's loss: each process's mean
     trainer = XlaFsdpTrainer(model=model_dir, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
                              callbacks=[Clock()])
     trainer.train()
