@@ -41,6 +41,7 @@ FP32_LOSS = 1e-6
 # bf16 on 4 devices against fp32: log-probs summed over ~8 tokens of bf16 activations (2**-8 relative each) move the
 # sequence log-probs by ~1e-2 and the loss, through beta=0.1, by ~1e-3; a step changes it by ~3e-3 here
 BF16_LOSS = 2e-3
+BF16_LOGITS = 1e-2  # the reloaded model against the bf16 trainer's last logits (reasoned where it is used)
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +81,18 @@ def _logits(model: torch.nn.Module, vocab: int) -> torch.Tensor:
         return model.eval()(input_ids=fixed_batch(vocab)).logits.float()
 
 
+def _reloaded(base: Path, out: Path, variant: str) -> torch.nn.Module:
+    """The run's saved output as a user loads it: ``from_pretrained`` (full) or peft's adapters on the base (LoRA)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if variant == "lora":
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out)
+    return AutoModelForCausalLM.from_pretrained(out)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_dpo_on_v1_equals_stock_step_by_step_saves_and_resumes(llama, tmp_path_factory, variant):
-    from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -98,15 +108,12 @@ def test_dpo_on_v1_equals_stock_step_by_step_saves_and_resumes(llama, tmp_path_f
     assert max(losses) - min(losses) > 100 * FP32_LOSS  # the steps differ by far more than the tolerance
 
     # the saved model is what the trainer held at its last step: from_pretrained (full) / PeftModel (adapters)
-    base = AutoModelForCausalLM.from_pretrained(llama)
-    untrained = _logits(base, len(WORDS))  # before peft injects the adapters into it
+    untrained = _logits(AutoModelForCausalLM.from_pretrained(llama), len(WORDS))
     if variant == "lora":
         assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
-        saved = PeftModel.from_pretrained(base, out)
-    else:
-        saved = AutoModelForCausalLM.from_pretrained(out)
     recorded = load_file(tmp / "ours-rec" / f"step-{STEPS}.safetensors")["logits"]
-    torch.testing.assert_close(_logits(saved, len(WORDS)), recorded, atol=1e-5, rtol=0)  # XLA:CPU vs CPU, fp32
+    saved = _logits(_reloaded(llama, out, variant), len(WORDS))
+    torch.testing.assert_close(saved, recorded, atol=1e-5, rtol=0)  # XLA:CPU vs CPU, fp32
     assert (recorded - untrained).abs().max() > 1e-3  # it trained
 
     # resumed from checkpoint-2: only steps 3 and 4 run, with the uninterrupted run's losses, and end with the same
@@ -128,6 +135,7 @@ def test_dpo_on_v2_four_devices_in_bf16_follows_stock_fp32(llama, tmp_path_facto
     for "full"; no --explicit_ref) and the policy compute in bf16; the losses follow the stock fp32 run; a resume from
     checkpoint-2 on the 4 devices repeats steps 3-4 exactly."""
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from hf_xla_fsdp.checkpoint import read_marker
 
@@ -142,6 +150,13 @@ def test_dpo_on_v2_four_devices_in_bf16_follows_stock_fp32(llama, tmp_path_facto
     marker = read_marker(out / "checkpoint-4")
     weights = "adapter_model.safetensors" if variant == "lora" else "model.safetensors"
     assert marker["world_size"] == 1 and (out / weights).is_file()
+    # the saved model (fp32 masters) reloaded on the CPU gives the logits the bf16 trainer recorded at its last step:
+    # those are bf16 outputs (|logit| < 1 here, where a bf16 ulp is 2**-8 ~ 4e-3; measured 4.1e-3 full, 3.1e-3
+    # LoRA), so 1e-2 (~2.5 ulps); the 4 steps moved them by 0.37 (LoRA) to 0.65 (full), far beyond it
+    recorded = load_file(out.parent / "ours-rec" / f"step-{STEPS}.safetensors")["logits"]
+    assert (_logits(_reloaded(llama, out, variant), len(WORDS)) - recorded).abs().max() < BF16_LOGITS
+    untrained = _logits(AutoModelForCausalLM.from_pretrained(llama), len(WORDS))
+    assert (untrained - recorded).abs().max() > 10 * BF16_LOGITS
     # resumed from checkpoint-2 on the 4 devices: steps 3 and 4 as the uninterrupted run, the same weights bit for bit
     resumed = _dpo(llama, out.parent / "resumed", *v2, "--resume_from_checkpoint", str(out / "checkpoint-2"), devices=4)
     assert resumed["steps_run"] == [[3, 4]]
