@@ -3,13 +3,16 @@
 ``python tests/scripts/tp_worker.py train --family llama --tensor 2 --out DIR``: build the tiny model on a
 (1, devices / T, T) mesh, report the weights' and activations' XLA shardings, train a few AdamW steps, save a
 checkpoint (DIR/ckpt), the trained parameters (DIR/ref.safetensors) and eval logits (DIR/logits.safetensors),
-then train two more steps. ``resume --ckpt DIR/ckpt --ref DIR/ref.safetensors --tensor T``: load that checkpoint
+then train two more steps. ``--family gpt2,qwen2 --out ROOT``: each family in turn in this one process (one start-up
+and one runtime for several models: what a test needs of each is its own model's), into ROOT/<family>; the JSON
+line maps each family to its report. ``resume --ckpt DIR/ckpt --ref DIR/ref.safetensors --tensor T``: load that checkpoint
 into a model on another mesh, report which parameters differ from the saved ones, then train the same two steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -89,17 +92,30 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="compute_dtype (bf16: parameters in bf16, fp32 master copies)")
     p.add_argument("--lora", action="store_true", help="LoRA adapters on q_proj, v_proj and down_proj")
     args = p.parse_args()
-    import torch_xla
-
     plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, tensor_parallel_size=args.tensor,
                            replica_size=args.replicas, compute_dtype=args.dtype)
+    families = args.family.split(",")
+    if len(families) == 1:
+        print(json.dumps(run(args, plugin, families[0], args.out)))
+        return
+    reports = {}
+    for family in families:
+        reports[family] = run(args, plugin, family, str(Path(args.out) / family))
+        gc.collect()  # the previous family's model and optimizer state leave the devices
+    print(json.dumps(reports))
+
+
+def run(args: argparse.Namespace, plugin: XlaFsdpPlugin, family: str, out: str) -> dict:
+    """One scenario for one model family; its report."""
+    import torch_xla
+
     torch.manual_seed(0 if args.mode == "train" else 1)  # a resumed model differs until the checkpoint loads
     peft_config = None
     if args.lora:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    model = plugin.build(config(args.family), progress=False, peft_config=peft_config)
+    model = plugin.build(config(family), progress=False, peft_config=peft_config)
     mesh = spmd.get_mesh(plugin)
     data = batches()
     report: dict = {"mesh": dict(zip(mesh.axis_names, mesh.mesh_shape)),
@@ -113,8 +129,7 @@ def main() -> None:
         report["differ"] = sorted(n for n in ref if n not in here or not torch.equal(ref[n], here[n]))
         report["missing"] = sorted(set(here) - set(ref))
         report["continued"] = steps(model, optimizer, data[STEPS:STEPS + MORE], mesh)
-        print(json.dumps(report))
-        return
+        return report
     report["specs"] = {spmd.clean_name(n): spmd.sharding_spec(q) for n, q in model.named_parameters()}
     wait_device_ops()  # placements are readable only once the optimizer state's creation has run
     report["device_bytes"] = spmd.device_bytes(model)
@@ -132,7 +147,7 @@ def main() -> None:
         return hook
 
     targets = {"block": first}
-    if args.family == "gpt2":
+    if family == "gpt2":
         targets.update({"attn": inner.attn.c_proj, "mlp_in": inner.mlp.c_fc, "mlp": inner.mlp.c_proj})
     else:
         targets.update({"q": inner.self_attn.q_proj, "attn": inner.self_attn.o_proj, "mlp_in": inner.mlp.up_proj,
@@ -146,7 +161,7 @@ def main() -> None:
     for h in handles:
         h.remove()
     report["activation_specs"] = seen
-    out = Path(args.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report["losses"] = steps(model, optimizer, data[:STEPS], mesh)
     save_checkpoint(out / "ckpt", model, optimizer, step=STEPS, plugin=plugin)
@@ -157,7 +172,7 @@ def main() -> None:
     model.train()
     save_file({"ids": ids, "logits": logits}, str(out / "logits.safetensors"))
     report["continued"] = steps(model, optimizer, data[STEPS:STEPS + MORE], mesh)
-    print(json.dumps(report))
+    return report
 
 
 if __name__ == "__main__":
