@@ -307,6 +307,11 @@ class Engine:
         """Give ``tensor``, a value a training loop carries from step to step (e.g. the Trainer's running loss), the
         annotation a step's outputs come back with, so the first step's graph is the one every later step runs."""
 
+    def whole(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> torch.Tensor:
+        """``tensor`` as a value every device holds whole (a gathered result, about to be read on the host); unchanged
+        where the devices hold whole values already."""
+        return tensor
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the model's gradients to ``max_norm`` over every shard of every rank; returns the total norm."""
         params = [p for p in model.parameters() if p.grad is not None]

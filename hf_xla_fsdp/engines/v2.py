@@ -438,6 +438,18 @@ class XlaFsdpV2(Engine):
         if tensor.device.type == "xla" and not sharding_spec(tensor):
             xs.mark_sharding(tensor, get_mesh(plugin), (None,) * tensor.dim())
 
+    def whole(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> torch.Tensor:
+        import torch_xla.distributed.spmd as xs
+
+        if tensor.device.type != "xla" or sharding_spec(tensor) == "{replicated}":
+            return tensor
+        # torch_xla compiles a replication program for every host read of a sharded tensor and never caches it; a
+        # copy annotated replicated is gathered inside a graph, compiled once and then found in the graph cache. (A
+        # pending result shows no annotation until it runs, so only a known replicated one is left as it is.)
+        whole = tensor.clone()
+        xs.annotate_custom_sharding(whole, get_mesh(plugin), (None,) * tensor.dim())
+        return whole
+
     def prepare_optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         attach(model, optimizer)
 

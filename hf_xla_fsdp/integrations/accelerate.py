@@ -91,6 +91,13 @@ class XlaFsdpAccelerator(Accelerator):
         self.xla_fsdp_session.checkpoints.wait()
         super().end_training()
 
+    def gather(self, tensor: Any) -> Any:
+        """accelerate's ``gather``, each result held whole by every device (under SPMD a gathered tensor would stay
+        sharded, and each host read of it compiles an uncached replication program)."""
+        from accelerate.utils import recursively_apply
+
+        return recursively_apply(self.xla_fsdp_session.whole, super().gather(tensor))
+
     # ----------------------------------------------------------------- models and optimizers
     def build_model(self, source: Any, **kwargs: Any) -> torch.nn.Module:
         """Build ``source`` (config, config.json or local model dir) on meta, block by block, wrapped."""

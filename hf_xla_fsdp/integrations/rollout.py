@@ -14,8 +14,9 @@ steps 1-4. :class:`StaticShapeRollout` is the same generation with the static-sh
   prompts of a bucket length and completions of exactly ``max_completion_length``.
 
 The first rollout of a bucket compiles its graphs (a prefill and one per decode position); later ones compile none.
-(Under SPMD, torch_xla 2.9 still compiles a small replication program, uncached, for each host read of a sharded
-tensor: the completions read here and TRL's own reads; those are not graphs of the computation.)
+(Under SPMD, torch_xla 2.9 compiles a small replication program, uncached, for each host read of a sharded tensor;
+the completions are read through the session's ``whole``, gathered in a cached graph instead, and so are TRL's reads
+of what it gathers with ``accelerator.gather``.)
 The policy is called through ``accelerator.unwrap_model``: its inner module runs through the root unit
 (:mod:`hf_xla_fsdp.modeling.routing`), which gathers the root's shards on FSDP v1. Tokens per second of every rollout
 go into the trainer's logged metrics (``generation/tokens_per_second``), with the graphs it compiled
@@ -27,9 +28,11 @@ script gave none and does not use vLLM. A vLLM-TPU backend would be another ``ro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -99,6 +102,26 @@ def warm_completion_metrics(trainer: Any, rows: int) -> None:
             reduce(ended_lengths.float()).item()
 
 
+@contextlib.contextmanager
+def _no_default_eos(model: Any) -> Iterator[None]:
+    """``generate`` without the model's default end-of-sequence token for the duration of one call.
+
+    ``generate`` fills every field the given config leaves ``None`` from the model's own ``generation_config``, so
+    ``config.eos_token_id = None`` alone brings the EOS back, and with it ``EosTokenCriteria``: a ``torch.isin`` per
+    decode step, which XLA runs on the host (the step's tokens read back each time; under SPMD, a replication program
+    compiled per read), and an early stop once every row has ended (another shape)."""
+    defaults = getattr(model, "generation_config", None)
+    eos = getattr(defaults, "eos_token_id", None)
+    if eos is None:
+        yield
+        return
+    defaults.eos_token_id = None
+    try:
+        yield
+    finally:
+        defaults.eos_token_id = eos
+
+
 class StaticShapeRollout:
     """TRL's ``rollout_func`` for a trainer on XLA FSDP (see the module)."""
 
@@ -135,10 +158,10 @@ class StaticShapeRollout:
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         device = trainer.accelerator.device
         compiled, start = _compiles(), time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), _no_default_eos(model):
             out = model.generate(input_ids=batch.to(device), attention_mask=mask.to(device), generation_config=config,
                                  stopping_criteria=StoppingCriteriaList([StepSync()]))
-        completions = out[:, length:].cpu()
+        completions = trainer.xla_fsdp_session.whole(out[:, length:]).cpu()
         seconds = time.perf_counter() - start
         eos = set(getattr(trainer, "eos_token_ids", None) or [tokenizer.eos_token_id])
         completion_ids = []

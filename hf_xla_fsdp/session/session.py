@@ -303,6 +303,11 @@ class XlaFsdpSession:
         training step compiles once (not again at step 2)."""
         self.engine.like_step_output(tensor, self.plugin)
 
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` held whole by every device, for a read on the host that compiles nothing the second time
+        (see the engines' ``whole``)."""
+        return self.engine.whole(tensor, self.plugin)
+
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients over every shard of every rank; returns the total norm."""
         return self.engine.clip_grad_norm(model, max_norm, norm_type)

@@ -31,8 +31,8 @@ else:
 
 class CompilesPerStep(TrainerCallback):
     """Test instrumentation, per step: everything XLA compiled (torch_xla's CompileTime metric) and the graphs of the
-    computation among it (the UncachedCompile counter: graphs not found in the graph cache). Under SPMD the two
-    differ by the small programs torch_xla compiles, uncached, whenever a sharded tensor is read to the host
+    computation among it (the UncachedCompile counter: graphs not found in the graph cache). The two differ by the
+    small programs torch_xla compiles, uncached, whenever an SPMD-sharded tensor is read to the host
     (ReplicateShardedData)."""
 
     def __init__(self) -> None:
