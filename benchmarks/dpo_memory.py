@@ -17,9 +17,9 @@ reference adds at most its shard, ``model bytes / N`` plus one block, to each ra
 ~168M parameters (hidden 1024, 8 layers, vocab 32000; 643 MiB fp32), fp32, AdamW, 16-token sequences (activations
 are small next to the weights, so the figure is the weights'). ``--smoke``: a tiny model and one step.
 
-glibc's allocator moves these figures by +-100 MiB between ranks and runs (heap fragmentation around FSDP's gathered
-blocks); ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment (the children inherit it) takes that out, and the report
-says which allocator setting ran (RESULTS.md has both).
+glibc's default allocator moved these figures by +-100 MiB between ranks and runs (heap fragmentation around FSDP's
+gathered blocks); engine fsdp2 now fixes glibc's mmap threshold at 1 MiB on the CPU (``map_large_host_allocations`` in
+engines/fsdp2.py) unless ``MALLOC_MMAP_THRESHOLD_`` is in the environment, and the report says which setting ran.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def main() -> None:
     from transformers import LlamaConfig
 
     from hf_xla_fsdp import XlaFsdpPlugin
+    from hf_xla_fsdp.engines.fsdp2 import ENV_MMAP_THRESHOLD, HOST_MMAP_THRESHOLD
     from hf_xla_fsdp.planning.units import plan
 
     sizing = plan(LlamaConfig(**model), XlaFsdpPlugin(engine="fsdp2", transformer_layer_cls_to_wrap=["LlamaDecoderLayer"]),
@@ -131,7 +132,8 @@ def main() -> None:
     report: dict = {"smoke": args.smoke, "model_params": sizing["total_params"], "model_mib": mib(sizing["total_bytes"]),
                     "world_size": args.world_size, "largest_block_mib": mib(largest), "root_unit_mib": mib(root),
                     "target_extra_mib": mib(reference_share),
-                    "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")}
+                    # engine fsdp2 fixes glibc's threshold on the CPU unless the environment sets it (engines/fsdp2.py)
+                    "malloc_mmap_threshold": os.environ.get(ENV_MMAP_THRESHOLD, f"{HOST_MMAP_THRESHOLD} (engine fsdp2)")}
     with tempfile.TemporaryDirectory(prefix="dpo_memory-") as tmp:
         make_model(Path(tmp) / "model", model)
         runs = {}

@@ -48,6 +48,10 @@ FSDP_AXIS = "fsdp"
 REPLICA_AXIS = "replica"
 #: TorchTPU's Python package (it renames torch's PrivateUse1 device to ``tpu`` and registers its backend)
 TORCH_TPU = "torch_tpu"
+#: glibc's environment setting for the size from which ``malloc`` maps memory (and returns it to the system on free)
+ENV_MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
+#: what this engine sets it to on the CPU (unless the environment says otherwise): 1 MiB
+HOST_MMAP_THRESHOLD = 1 << 20
 
 
 # --------------------------------------------------------------------------- device and backend: the one place
@@ -135,6 +139,30 @@ def init_distributed() -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group(backend)
+
+
+def map_large_host_allocations() -> bool:
+    """On the CPU device, have glibc map every allocation of 1 MiB or more, so that it is returned on free.
+
+    Here a unit's gathered parameters and gradients are host memory, allocated and freed at every forward and backward.
+    glibc's default mmap threshold grows to the size of the first large block freed (up to 32 MiB), after which such
+    blocks come from the heap and fragment it: a rank's peak RSS then drifts by hundreds of MiB between ranks and runs
+    (benchmarks/dpo_memory.py, RESULTS.md). A fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc's
+    adjustment) keeps the peak at what is live. ``MALLOC_MMAP_THRESHOLD_`` in the environment is glibc's own setting
+    and wins; elsewhere than glibc nothing changes. True when the threshold was set here.
+    """
+    if ENV_MMAP_THRESHOLD in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    m_mmap_threshold = -3  # glibc's malloc.h
+    return bool(mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(HOST_MMAP_THRESHOLD)))
 
 
 def mesh_layout(world: int, replicas: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -351,6 +379,7 @@ class Fsdp2(Engine):
             # accelerate counts CPU processes (MULTI_CPU: every process its own batches) only when told it runs on
             # the CPU; its state is built later (by TrainingArguments or the Accelerator) and reads this
             os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+            map_large_host_allocations()
 
     def device(self) -> torch.device:
         return device()

@@ -122,3 +122,39 @@ def test_the_planner_sizes_fsdp2_shards_as_dim0_rows(llama_config):
     assert plan(llama_config, v1, world_size=3)["bytes_per_rank"] > expected  # v1 pads to multiples of 3 * 128
     chip = chip_memory(llama_config, ours, 4)
     assert chip["mesh"] == {"replica": 1, "fsdp": 4, "tensor": 1}
+
+
+MAPPED_PROBE = """
+import ctypes, json, sys, torch
+from hf_xla_fsdp.engines.fsdp2 import map_large_host_allocations
+FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+class Info(ctypes.Structure):  # glibc's struct mallinfo2 (glibc >= 2.33)
+    _fields_ = [(n, ctypes.c_size_t) for n in FIELDS.split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+out = {"set": map_large_host_allocations() if sys.argv[1] == "engine" else None}
+freed = torch.empty(12 << 20, dtype=torch.uint8)  # the first large block freed (a gathered unit's, in training)
+del freed
+before = libc.mallinfo2().hblks
+kept = torch.empty(2 << 20, dtype=torch.uint8)
+out["mapped"] = libc.mallinfo2().hblks - before
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+@pytest.mark.parametrize("case", ["glibc default", "engine", "environment wins"])
+def test_on_the_cpu_large_host_blocks_stay_mapped_after_a_larger_one_is_freed(case):
+    # glibc's default raises its mmap threshold to the 12 MiB block freed, so the 2 MiB block comes from the heap
+    # (hblks unchanged): the heap fragmentation that moved dpo_memory's peaks by +-100 MiB; the engine's fixed 1 MiB
+    # threshold maps it (one more mapped block); MALLOC_MMAP_THRESHOLD_ in the environment is glibc's and is left alone
+    env = dict(fsdp2_env({}, block_xla=False))
+    env.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if case == "environment wins":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
+    done = subprocess.run([sys.executable, "-c", MAPPED_PROBE, "default" if case == "glibc default" else "engine"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out == {"glibc default": {"set": None, "mapped": 0}, "engine": {"set": True, "mapped": 1},
+                   "environment wins": {"set": False, "mapped": 0}}[case]
