@@ -77,15 +77,21 @@ def test_ranks_that_never_arrive_end_the_save_naming_them(tmp_path):
     assert not list((tmp_path / "run").rglob(COMPLETE_MARKER))
 
 
+#: SIGKILL runs per world size (1 in the suite; the sweep of RESULTS.md sets 10)
+KILL_RUNS = int(os.environ.get("HF_XLA_FSDP_KILL_RUNS", "1"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4])
+# world size 4 only in the sweep: the suite's kill of one of 4 ranks is test_pods' (local and object modes), the
+# shared-storage protocol under test here is the same code at any N, and a run of 4 costs ~35 s more than one of 2
+@pytest.mark.parametrize("n", [2, 4] if KILL_RUNS > 1 else [2])
 def test_sigkill_of_one_rank_never_leaves_a_marked_checkpoint(tmp_path, n):
     """A random rank is SIGKILLed at a random moment of a series of saves, HF_XLA_FSDP_KILL_RUNS times per world
-    size (default 1 in the suite: each run starts n processes and costs ~30 s; the sweep of RESULTS.md is 10 per
-    world size)."""
+    size (default 1 in the suite, world size 2 only: each run starts n processes and costs ~30 s; the sweep of
+    RESULTS.md is 10 per world size, 2 and 4)."""
     expected = read_full_state_dict(reference(tmp_path / "ref", n))
     rnd = random.Random(n)
-    for attempt in range(int(os.environ.get("HF_XLA_FSDP_KILL_RUNS", "1"))):
+    for attempt in range(KILL_RUNS):
         root = tmp_path / f"run{attempt}"
         victim, delay = rnd.randrange(n), rnd.uniform(0.0, 1.0)
 
