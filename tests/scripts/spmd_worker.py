@@ -1,7 +1,10 @@
 """Runs FSDP v2 (SPMD) scenarios in a fresh process with ``CPU_NUM_DEVICES`` devices; prints one JSON line.
 
 SPMD mode and the device count are fixed per process, so tests/test_spmd.py starts this script as
-``python tests/scripts/spmd_worker.py MODE [--replicas R] [--out DIR]`` with the environment it needs.
+``python tests/scripts/spmd_worker.py MODE [--replicas R] [--out DIR]`` with the environment it needs, or, for
+several scenarios on the same devices in one process (each process start imports torch_xla and transformers: ~10 s of
+CPU), ``spmd_worker.py --many '[["train"], ["train", "--replicas", "2"], ...]'``, printing the list of their reports.
+Each scenario builds its own model and mesh; graphs the scenarios share are compiled once.
 """
 
 from __future__ import annotations
@@ -52,14 +55,14 @@ def logits(model: torch.nn.Module, ids: torch.Tensor, mesh) -> torch.Tensor:
     return out
 
 
-def main() -> None:
-    """Run one scenario."""
+def scenario(argv: list[str]) -> dict:
+    """Run one scenario (``argv``: MODE and its options); its report."""
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["shard", "train", "roundtrip", "precision"])
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--out", default=None)
     p.add_argument("--dtype", default=None, help="compute_dtype (precision mode)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import torch_xla.runtime as xr
 
     plugin = XlaFsdpPlugin(version=2, activation_checkpointing=True, replica_size=args.replicas,
@@ -137,7 +140,15 @@ def main() -> None:
         report["loading_info"] = {k: sorted(v) for k, v in info.items() if k != "error_msgs"}
         with torch.no_grad():
             report["logits_max_diff"] = float((full(input_ids=ids).logits - sharded_logits).abs().max())
-    print(json.dumps(report))
+    return report
+
+
+def main() -> None:
+    """One scenario's report, or with ``--many JSON`` the list of the reports of several, as one JSON line."""
+    if sys.argv[1:2] == ["--many"]:
+        print(json.dumps([scenario(argv) for argv in json.loads(sys.argv[2])]))
+    else:
+        print(json.dumps(scenario(sys.argv[1:])))
 
 
 if __name__ == "__main__":
