@@ -154,12 +154,11 @@ def map_large_host_allocations() -> bool:
     if ENV_MMAP_THRESHOLD in os.environ or not sys.platform.startswith("linux"):
         return False
     import ctypes
-    import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+    # the symbols already loaded into this process (the C library's among them): no library search, which on Linux
+    # would start ldconfig in a subprocess
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
         return False
     m_mmap_threshold = -3  # glibc's malloc.h
     return bool(mallopt(ctypes.c_int(m_mmap_threshold), ctypes.c_int(HOST_MMAP_THRESHOLD)))
