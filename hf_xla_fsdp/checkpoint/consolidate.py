@@ -193,6 +193,16 @@ def check_against_config(plan: list[OutputTensor], config: Any) -> None:
 TRAINING_INFO = "xla_fsdp_training.json"
 
 
+def training_record(log_history: list[dict[str, Any]]) -> dict[str, Any]:
+    """What :func:`training_info` reads back, from a Trainer's ``log_history``: the losses by step, the last eval loss."""
+    record: dict[str, Any] = {"losses": {str(e["step"]): float(e["loss"]) for e in log_history
+                                         if "loss" in e and "step" in e}}
+    evals = [e for e in log_history if "eval_loss" in e]
+    if evals:
+        record["eval_loss"] = float(evals[-1]["eval_loss"])
+    return record
+
+
 def training_info(ranks: RankSet) -> dict[str, Any]:
     """How the checkpoint was trained (engine, sharding, world size, dtype, steps, last losses), for model cards."""
     meta = ranks.meta

@@ -36,10 +36,6 @@ logger = logging.getLogger(__name__)
 _OWN_SAVE = "_hf_xla_fsdp_save_pretrained"
 
 
-def _ties_kept(*args: Any, **kwargs: Any) -> None:
-    """``tie_weights`` of a sharded model: its ties are kept by FSDP already."""
-
-
 class XlaFsdpAccelerator(Accelerator):
     """An ``Accelerator`` whose models are XLA FSDP models configured by the accelerate YAML."""
 
@@ -127,11 +123,6 @@ class XlaFsdpAccelerator(Accelerator):
         if not is_wrapped(model):
             originals = opt.original_parameters(model)
             model = self.xla_fsdp_session.wrap_model(model)
-            inner = self.xla_fsdp_session.unwrap(model)
-            if hasattr(inner, "tie_weights"):
-                # FSDP keeps a tied weight once, shared by both names; re-tying (as accelerate scripts do on XLA after
-                # prepare) would look for parameters FSDP has replaced by its shards
-                inner.tie_weights = _ties_kept
             self._moved_params.update(opt.moved_parameters(originals, model))
         if not any(m is model for m in self._models):  # Trainer prepares the same model again for eval
             self._models.append(model)
@@ -143,12 +134,8 @@ class XlaFsdpAccelerator(Accelerator):
     def _prepare_for_inference(self, model: torch.nn.Module) -> torch.nn.Module:
         if any(m is model for m in self._models):
             return model  # a training model prepared again for evaluation stays what it is
-        session = self.xla_fsdp_session
         if not isinstance(model, unit_classes()):  # whole, or blocks built for inference: wrapped, or the root added
-            model = session.finish_wrapping(model, evaluation_mode=True)
-            inner = session.unwrap(model)
-            if hasattr(inner, "tie_weights"):
-                inner.tie_weights = _ties_kept
+            model = self.xla_fsdp_session.finish_wrapping(model, evaluation_mode=True)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:

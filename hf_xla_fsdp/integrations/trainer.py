@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
 
 from .. import upstream
+from ..checkpoint.consolidate import training_record
 from ..config.training_args import trainer_settings, unfuse_optimizer
 from ..engines import is_wrapped
 from ..errors import ConfigError
@@ -337,7 +338,7 @@ class XlaFsdpTrainerMixin:
         only_model = self.args.save_only_model
         checkpoints.save(output_dir, self.model, None if only_model else self._raw_optimizer(),
                          None if only_model else self.lr_scheduler, step=self.state.global_step,
-                         extra={"trainer": True, **self._training_record()}, side_files=side_files,
+                         extra={"trainer": True, **training_record(self.state.log_history)}, side_files=side_files,
                          on_published=published, adapters=True)
 
     def _save_side_files(self, directory: Path) -> None:
@@ -359,15 +360,6 @@ class XlaFsdpTrainerMixin:
         if processor is not None:
             processor.save_pretrained(str(directory))
         (directory / "training_args.json").write_text(self.args.to_json_string())
-
-    def _training_record(self) -> dict[str, Any]:
-        """Losses of the run so far (for the consolidated model's training record and model card)."""
-        losses = {str(e["step"]): float(e["loss"]) for e in self.state.log_history if "loss" in e and "step" in e}
-        record: dict[str, Any] = {"losses": losses}
-        evals = [e for e in self.state.log_history if "eval_loss" in e]
-        if evals:
-            record["eval_loss"] = float(evals[-1]["eval_loss"])
-        return record
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         """Check ``resume_from_checkpoint`` is one of our complete checkpoints (loaded after the optimizer exists)."""
@@ -407,7 +399,7 @@ class XlaFsdpTrainerMixin:
         output = Path(output_dir if output_dir is not None else self.args.output_dir)
         self.xla_fsdp_session.checkpoints.save_pretrained(
             self.model, output, is_main=self.args.should_save, step=self.state.global_step,
-            extra=self._training_record(), side_files=self._save_side_files, progress=not self.args.disable_tqdm)
+            extra=training_record(self.state.log_history), side_files=self._save_side_files, progress=not self.args.disable_tqdm)
         if self.args.should_save:
             (output / "training_args.json").write_text(self.args.to_json_string())
         if self.args.push_to_hub and not _internal_call:
@@ -426,31 +418,28 @@ class XlaFsdpTrainerMixin:
                        datasets=dataset, load_path=self.args.hub_model_id)
 
 
+def _below_mixin(trainer_cls: type) -> tuple[type, ...]:
+    """``trainer_cls``'s MRO after :class:`XlaFsdpTrainerMixin` (the user's and the library's own classes)."""
+    mro = trainer_cls.__mro__
+    return mro[mro.index(XlaFsdpTrainerMixin) + 1:] if XlaFsdpTrainerMixin in mro else mro
+
+
 def _defined_below(trainer_cls: type, name: str) -> Optional[type]:
     """The first class after :class:`XlaFsdpTrainerMixin` in ``trainer_cls``'s MRO that defines ``name``."""
-    mro = trainer_cls.__mro__
-    start = mro.index(XlaFsdpTrainerMixin) + 1 if XlaFsdpTrainerMixin in mro else 0
-    return next((cls for cls in mro[start:] if name in cls.__dict__), None)
+    return next((cls for cls in _below_mixin(trainer_cls) if name in cls.__dict__), None)
 
 
 def trainer_arguments(trainer_cls: type, args: tuple, kwargs: dict[str, Any]) -> inspect.BoundArguments:
     """``args`` and ``kwargs`` bound to the signature of the ``__init__`` ``trainer_cls``'s own classes define (after
     our mixins; ``self`` excluded): the first one that names its parameters, passing over subclasses that only forward
     ``*args, **kwargs``. A call that does not fit that signature fails as the subclass itself would (``TypeError``)."""
-    mro = trainer_cls.__mro__
-    start = mro.index(XlaFsdpTrainerMixin) + 1 if XlaFsdpTrainerMixin in mro else 0
-    init = None
-    for cls in mro[start:]:
-        if "__init__" not in cls.__dict__:
-            continue
-        params = list(inspect.signature(cls.__dict__["__init__"]).parameters.values())[1:]
-        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
-            init = inspect.Signature(params)
-            break
-    if init is None:
+    inits = (list(inspect.signature(cls.__dict__["__init__"]).parameters.values())[1:]
+             for cls in _below_mixin(trainer_cls) if "__init__" in cls.__dict__)
+    params = next((p for p in inits if any(q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD) for q in p)), None)
+    if params is None:
         raise ConfigError(f"{trainer_cls.__name__} defines no __init__ that names its parameters")
     try:
-        return init.bind(*args, **kwargs)
+        return inspect.Signature(params).bind(*args, **kwargs)
     except TypeError as err:
         raise TypeError(f"{trainer_cls.__name__}.__init__() {err}") from None
 

@@ -34,6 +34,12 @@ logger = logging.getLogger(__name__)
 # transformers' own decay rule (Trainer.get_decay_parameter_names), applied to the original names
 _NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
 
+
+
+def _ties_kept(*args: Any, **kwargs: Any) -> None:
+    """``tie_weights`` of a wrapped model: the engine keeps its ties already."""
+
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -226,6 +232,11 @@ class XlaFsdpSession:
 
         # unwrap_model(model)(...) and .generate() run through the root unit (which gathers its own shards)
         route_through_root(wrapped, inner_modules(wrapped, self.engine.unwrap(wrapped)))
+        inner = self.engine.unwrap(wrapped)
+        if hasattr(inner, "tie_weights"):
+            # the engine keeps a tied weight once, shared by both names; re-tying (as accelerate scripts do on XLA after
+            # prepare) would look for parameters the engine has replaced by its shards
+            inner.tie_weights = _ties_kept
         return wrapped
 
     def _install_scan(self, wrapped: nn.Module) -> None:
