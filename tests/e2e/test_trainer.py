@@ -383,27 +383,43 @@ NOT_WRITTEN = {
 }
 
 
-def run_outputs(out: Path, *extra: str, stock: bool = False) -> Path:
+#: runs the script once per argv of the JSON list in argv[1], one after the other in this one process, as
+#: ``python SCRIPT ARGS...`` would (its directory first on sys.path, run as __main__)
+IN_TURN = ("import json, runpy, sys\n"
+           "for argv in json.loads(sys.argv[1]):\n"
+           "    sys.argv = argv\n"
+           "    sys.path.insert(0, argv[0].rsplit('/', 1)[0])\n"
+           "    runpy.run_path(argv[0], run_name='__main__')\n")
+
+
+def run_outputs(out: Path, *extra: str, stock: bool = False, more: tuple = ()) -> Path:
     """tests/scripts/user/trainer_outputs.py into ``out``: transformers' Trainer on the CPU (``stock``), or
-    XlaFsdpTrainer on XLA:CPU."""
+    XlaFsdpTrainer on XLA:CPU. ``more``: (out, extra) pairs run after it, the same way, in the same process."""
     if stock:  # no XLA at all: the stock Trainer as it runs on a laptop
         args, env = ["--use_cpu", "true"], {"STOCK": "1", "USE_TORCH_XLA": "0", "PJRT_DEVICE": None}
     else:
         args, env = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True})], {}
-    res = run_python([OUTPUTS, "--output_dir", out, *OUTPUT_ARGS, *args, *extra], env=env, timeout=900)
+    argvs = [[str(a) for a in (OUTPUTS, "--output_dir", o, *OUTPUT_ARGS, *args, *x)] for o, x in ((out, extra), *more)]
+    command = [OUTPUTS, *argvs[0][1:]] if len(argvs) == 1 else ["-c", IN_TURN, json.dumps(argvs)]
+    res = run_python(command, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return out
 
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory):
-    """The same script, full weights and LoRA, with the stock Trainer and with ours (LoRA runs record logits)."""
+    """The same script, full weights and LoRA, with the stock Trainer and with ours (LoRA runs record logits).
+
+    The full and the LoRA run of each Trainer share one process (two process starts instead of four): what the
+    tests compare is the files each run wrote, the logits its checkpoints reload to and a resumed run in a fresh
+    process, none of which depends on what ran before in the process (each run seeds itself: set_seed, the
+    Trainer's seed, the model built anew)."""
     root = tmp_path_factory.mktemp("outputs")
     runs = {}
-    for kind, extra in (("full", []), ("lora", ["--lora", "true"])):
-        for who in ("stock", "ours"):
-            record = ["--record_dir", str(root / f"{who}-{kind}-rec")] if kind == "lora" and who == "ours" else []
-            runs[who, kind] = run_outputs(root / f"{who}-{kind}", *extra, *record, stock=who == "stock")
+    for who in ("stock", "ours"):
+        record = ["--record_dir", str(root / f"{who}-lora-rec")] if who == "ours" else []
+        run_outputs(root / f"{who}-full", stock=who == "stock", more=((root / f"{who}-lora", ["--lora", "true", *record]),))
+        runs[who, "full"], runs[who, "lora"] = root / f"{who}-full", root / f"{who}-lora"
     return root, runs
 
 
