@@ -187,17 +187,25 @@ def test_lora_on_a_base_built_on_meta_block_by_block(tuned, tmp_path):
     assert (trained - start).abs().max() > 1e-3  # the adapters learned something
 
 
+@pytest.fixture(scope="module")
+def pre(tmp_path_factory) -> Path:
+    """tests/scripts/user/make_pretrained.py's tiny "pretrained" models and corpus, built once for the module: the
+    script builds on the host only (USE_TORCH_XLA=0, seeded), so every test that used to build its own copy got
+    the same files; one process start (~8 s) instead of one per test."""
+    out = tmp_path_factory.mktemp("pretrained")
+    made = subprocess.run([sys.executable, str(USER_SCRIPTS / "make_pretrained.py"), str(out)], capture_output=True,
+                          text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine,use_peft", [("v1", False), ("v2", True)])
-def test_sft_trainer_with_one_swapped_import(tmp_path, engine, use_peft):
+def test_sft_trainer_with_one_swapped_import(pre, tmp_path, engine, use_peft):
     """v1: full fine-tune in fp32 (--bf16 false); v2 on 4 devices: LoRA with TRL's default bf16=True."""
     pytest.importorskip("trl")
-    pre = tmp_path / "pre"
     env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", USE_HF_XLA_FSDP="1",
                CPU_NUM_DEVICES="4" if engine == "v2" else "1")
-    made = subprocess.run([sys.executable, str(USER_SCRIPTS / "make_pretrained.py"), str(pre)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert made.returncode == 0, made.stderr[-2000:]
     out = tmp_path / "out"
     cmd = [sys.executable, str(USER_SCRIPTS / "sft.py"), "--model_name_or_path", str(pre / "llama"),
            "--output_dir", str(out), "--fsdp", "full_shard",
