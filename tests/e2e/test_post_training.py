@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, USER_SCRIPTS, fsdp2_env, run_python
+from helpers import ROOT, USER_SCRIPTS, fsdp2_env, run_in_turn, run_python
 from trl_helpers import WORDS, save_tiny_model
 
 pytest.importorskip("trl")
@@ -49,11 +49,16 @@ def llama(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("pretrained") / "llama")
 
 
-def _dpo(model: Path, out: Path, *extra: str, stock: bool = False, devices: int = 1) -> dict:
-    env = {"USE_TORCH_XLA": "0"} if stock else {"USE_HF_XLA_FSDP": "1"}
+STOCK_ENV = {"USE_TORCH_XLA": "0"}
+
+
+def _dpo_argv(model: Path, out: Path, *extra: str, stock: bool = False) -> list:
     flags = ["--use_cpu"] if stock else ["--pass_path", "--record_dir", str(out.parent / f"{out.name}-rec")]
-    res = run_python([USER_SCRIPTS / "dpo.py", "--model_name_or_path", model, "--output_dir", out, *COMMON, *flags,
-                      *extra], devices=devices, env=env, timeout=1200)
+    return [USER_SCRIPTS / "dpo.py", "--model_name_or_path", model, "--output_dir", out, *COMMON, *flags, *extra]
+
+
+def _dpo(model: Path, out: Path, *extra: str, devices: int = 1) -> dict:
+    res = run_python(_dpo_argv(model, out, *extra), devices=devices, env={"USE_HF_XLA_FSDP": "1"}, timeout=1200)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
     return json.loads((out / "results.json").read_text())
 
@@ -62,9 +67,15 @@ _stock: dict[str, dict] = {}
 
 
 def stock_dpo(llama: Path, tmp: Path, variant: str) -> dict:
-    """The stock CPU run of ``variant``, once per module."""
-    if variant not in _stock:
-        _stock[variant] = _dpo(llama, tmp / f"stock-{variant}", *VARIANTS[variant], "--save_strategy", "no", stock=True)
+    """The stock CPU run of ``variant``, once per module: every variant's at the first call, one after the other in
+    one process (helpers.run_in_turn: one start-up instead of one per variant; each run seeds itself, and the fp32
+    comparisons against runs in fresh processes hold to 1e-6, so nothing carries over from the run before)."""
+    if not _stock:
+        outs = {name: tmp / f"stock-{name}" for name in sorted(VARIANTS)}
+        res = run_in_turn([_dpo_argv(llama, out, *VARIANTS[name], "--save_strategy", "no", stock=True)
+                           for name, out in outs.items()], env=STOCK_ENV, timeout=1200)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+        _stock.update({name: json.loads((out / "results.json").read_text()) for name, out in outs.items()})
     return _stock[variant]
 
 

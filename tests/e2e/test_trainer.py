@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, USER_SCRIPTS, marked_copy, run_python
+from helpers import ROOT, USER_SCRIPTS, marked_copy, run_in_turn, run_python
 
 from hf_xla_fsdp import ConfigError
 
@@ -383,15 +383,6 @@ NOT_WRITTEN = {
 }
 
 
-#: runs the script once per argv of the JSON list in argv[1], one after the other in this one process, as
-#: ``python SCRIPT ARGS...`` would (its directory first on sys.path, run as __main__)
-IN_TURN = ("import json, runpy, sys\n"
-           "for argv in json.loads(sys.argv[1]):\n"
-           "    sys.argv = argv\n"
-           "    sys.path.insert(0, argv[0].rsplit('/', 1)[0])\n"
-           "    runpy.run_path(argv[0], run_name='__main__')\n")
-
-
 def run_outputs(out: Path, *extra: str, stock: bool = False, more: tuple = ()) -> Path:
     """tests/scripts/user/trainer_outputs.py into ``out``: transformers' Trainer on the CPU (``stock``), or
     XlaFsdpTrainer on XLA:CPU. ``more``: (out, extra) pairs run after it, the same way, in the same process."""
@@ -399,9 +390,8 @@ def run_outputs(out: Path, *extra: str, stock: bool = False, more: tuple = ()) -
         args, env = ["--use_cpu", "true"], {"STOCK": "1", "USE_TORCH_XLA": "0", "PJRT_DEVICE": None}
     else:
         args, env = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True})], {}
-    argvs = [[str(a) for a in (OUTPUTS, "--output_dir", o, *OUTPUT_ARGS, *args, *x)] for o, x in ((out, extra), *more)]
-    command = [OUTPUTS, *argvs[0][1:]] if len(argvs) == 1 else ["-c", IN_TURN, json.dumps(argvs)]
-    res = run_python(command, env=env, timeout=900)
+    argvs = [[OUTPUTS, "--output_dir", o, *OUTPUT_ARGS, *args, *x] for o, x in ((out, extra), *more)]
+    res = run_python(argvs[0], env=env, timeout=900) if len(argvs) == 1 else run_in_turn(argvs, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return out
 
