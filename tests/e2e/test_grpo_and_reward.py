@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import USER_SCRIPTS, run_python
+from helpers import USER_SCRIPTS, run_in_turn, run_python
 from test_post_training import COMMON, FP32_LOSS, STEPS, XLA_V1, XLA_V2, _logits, _series
 from trl_helpers import WORDS, save_tiny_model
 
@@ -22,7 +22,31 @@ def llama(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("pretrained") / "llama")
 
 
-@pytest.mark.parametrize("variant", ["full", "lora"])
+REWARD_VARIANTS = {"full": ["--learning_rate", "1e-3"], "lora": ["--learning_rate", "1e-3", "--use_peft"]}
+
+
+def _reward_argv(llama: Path, out: Path, variant: str, *flags: str) -> list:
+    return [USER_SCRIPTS / "reward.py", "--model_name_or_path", llama, "--output_dir", out, *COMMON,
+            *REWARD_VARIANTS[variant], *flags]
+
+
+_stock: dict[str, dict] = {}
+
+
+def stock_reward(llama: Path, tmp: Path, variant: str) -> dict:
+    """Stock TRL's run of ``variant`` on the CPU, once per module: every variant's at the first call, one after the
+    other in one process (helpers.run_in_turn: one start-up instead of one per variant; each run seeds itself, and
+    the 1e-6 comparisons against runs in fresh processes hold, so nothing carries over from the run before)."""
+    if not _stock:
+        outs = {variant: tmp / f"stock-reward-{variant}" for variant in REWARD_VARIANTS}
+        res = run_in_turn([_reward_argv(llama, out, variant, "--use_cpu", "--save_strategy", "no")
+                           for variant, out in outs.items()], env={"USE_TORCH_XLA": "0"}, timeout=1200)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+        _stock.update({variant: json.loads((out / "results.json").read_text()) for variant, out in outs.items()})
+    return _stock[variant]
+
+
+@pytest.mark.parametrize("variant", sorted(REWARD_VARIANTS))
 def test_reward_model_on_v1_equals_stock_and_saves_its_score_head(llama, tmp_path_factory, variant):
     """RewardTrainer builds AutoModelForSequenceClassification (one label) from the causal LM's path: on meta, block
     by block, with a fresh ``score`` head. The losses follow stock TRL on the CPU step by step; the saved model (the
@@ -33,18 +57,11 @@ def test_reward_model_on_v1_equals_stock_and_saves_its_score_head(llama, tmp_pat
     from transformers import AutoModelForSequenceClassification
 
     tmp = tmp_path_factory.mktemp(f"reward-{variant}")
-    extra = ["--learning_rate", "1e-3"] + (["--use_peft"] if variant == "lora" else [])
-
-    def run(out: Path, stock: bool) -> dict:
-        env = {"USE_TORCH_XLA": "0"} if stock else {"USE_HF_XLA_FSDP": "1"}
-        flags = ["--use_cpu", "--save_strategy", "no"] if stock else \
-            [*XLA_V1, "--save_steps", str(STEPS), "--record_dir", str(tmp / "rec")]
-        res = run_python([USER_SCRIPTS / "reward.py", "--model_name_or_path", llama, "--output_dir", out, *COMMON, *extra,
-                          *flags], env=env, timeout=1200)
-        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
-        return json.loads((out / "results.json").read_text())
-
-    stock, ours = run(tmp / "stock", True), run(tmp / "ours", False)
+    stock = stock_reward(llama, tmp_path_factory.getbasetemp(), variant)
+    res = run_python(_reward_argv(llama, tmp / "ours", variant, *XLA_V1, "--save_steps", str(STEPS), "--record_dir",
+                                  tmp / "rec"), env={"USE_HF_XLA_FSDP": "1"}, timeout=1200)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+    ours = json.loads((tmp / "ours" / "results.json").read_text())
     diff = max(abs(a - b) for a, b in zip(_series(ours, "loss"), _series(stock, "loss")))
     assert diff <= FP32_LOSS, (diff, _series(ours, "loss"), _series(stock, "loss"))
     if variant == "lora":
