@@ -167,7 +167,6 @@ def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
                           capture_output=True, text=True, timeout=timeout)
 
 
-# --------------------------------------------------------------------------- resuming
 #: ``python -c IN_TURN '[[script, arg, ...], ...]'``: each script with its arguments, one after the other in this one
 #: process, as ``python script arg ...`` would run it (its directory first on sys.path, as ``__main__``)
 IN_TURN = ("import json, os, runpy, sys\n"
@@ -185,6 +184,7 @@ def run_in_turn(argvs: Sequence[Sequence[str | os.PathLike]], **kw) -> subproces
     return run_python(["-c", IN_TURN, json.dumps([[str(a) for a in argv] for argv in argvs])], **kw)
 
 
+# --------------------------------------------------------------------------- resuming
 def marked_copy(ckpt: Path, dest: Path) -> Path:
     """A copy of ``ckpt`` whose logged losses are all -1.0: a run resumed from it carries them in its log, while a run
     that silently started from scratch would log real losses for those steps (and, being deterministic, the very

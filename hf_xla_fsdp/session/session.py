@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 _NO_DECAY = [re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")]
 
 
-
 def _ties_kept(*args: Any, **kwargs: Any) -> None:
     """``tie_weights`` of a wrapped model: the engine keeps its ties already."""
 
@@ -231,8 +230,8 @@ class XlaFsdpSession:
         from ..modeling.routing import inner_modules, route_through_root
 
         # unwrap_model(model)(...) and .generate() run through the root unit (which gathers its own shards)
-        route_through_root(wrapped, inner_modules(wrapped, self.engine.unwrap(wrapped)))
         inner = self.engine.unwrap(wrapped)
+        route_through_root(wrapped, inner_modules(wrapped, inner))
         if hasattr(inner, "tie_weights"):
             # the engine keeps a tied weight once, shared by both names; re-tying (as accelerate scripts do on XLA after
             # prepare) would look for parameters the engine has replaced by its shards
