@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import zygote
 from transformers import BertConfig, GPT2Config, LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,12 +158,16 @@ def xla_env(*, devices: int | None = 1, env: Mapping[str, str | None] | None = N
 
 def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
                env: Mapping[str, str | None] | None = None, cwd: Path = ROOT,
-               timeout: float = 900) -> subprocess.CompletedProcess[str]:
+               timeout: float = 900, preloaded: bool = False) -> subprocess.CompletedProcess[str]:
     """``python *args`` with this interpreter and the XLA environment (see ``xla_env``), output captured.
 
     A console script of the venv (``accelerate``, ``hf-xla-fsdp``) runs as ``[script, ...]``: the same
-    interpreter and the same ``sys.argv`` as when its shebang starts it.
+    interpreter and the same ``sys.argv`` as when its shebang starts it. ``preloaded``: the process is forked from
+    one that has imported torch, torch_xla, transformers, accelerate, peft, trl and datasets already
+    (tests/zygote.py), ~10 s of CPU less; for scripts whose subject is not start-up itself.
     """
+    if preloaded:
+        return zygote.run(args, env=xla_env(devices=devices, env=env), cwd=cwd, timeout=timeout)
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=xla_env(devices=devices, env=env),
                           capture_output=True, text=True, timeout=timeout)
 
@@ -250,7 +255,7 @@ class RankRun:
 class RankProcesses:
     """The running processes of :func:`run_ranks`, as a kill hook sees them."""
 
-    def __init__(self, procs: list[subprocess.Popen], logs: list[Path]):
+    def __init__(self, procs: list[subprocess.Popen | zygote.ForkedProcess], logs: list[Path]):
         self.procs, self.logs = procs, logs
 
     def output(self, rank: int) -> str:
@@ -276,14 +281,16 @@ class RankProcesses:
 def run_ranks(n: int, args: Callable[[int], Sequence[str | os.PathLike]], *,
               script: Path = WORKERS / "ckpt_worker.py", env: Callable[[int], Mapping[str, str | None]] | None = None,
               kill: Callable[[RankProcesses], None] | None = None, timeout: float = 300, logs: Path | None = None,
-              ) -> list[RankRun]:
+              preloaded: bool = True) -> list[RankRun]:
     """Start ``n`` OS processes ``python script --rank R --world n --port P *args(R)`` that form a torch.distributed
     gloo group on 127.0.0.1 (free port ``P``), each on XLA:CPU with one device; wait for all of them.
 
     ``args(rank)`` gives each rank its arguments (e.g. its own output directory, for per-host "local disks");
     ``env(rank)`` adds to its environment (None removes a variable); ``kill(processes)`` runs while they run
     (e.g. wait for a line, then SIGKILL one rank). After ``timeout`` seconds the survivors are killed. Output goes
-    to files in ``logs`` (a temporary directory by default), so no pipe can fill up.
+    to files in ``logs`` (a temporary directory by default), so no pipe can fill up. ``preloaded`` (the default: the
+    subject of these runs is what the ranks do together, not their start-up): forked from a process that imported the
+    stack (tests/zygote.py), so the ranks also start within a second of each other, not ~10 s of imports apart.
     """
     import tempfile
 
@@ -295,11 +302,14 @@ def run_ranks(n: int, args: Callable[[int], Sequence[str | os.PathLike]], *,
         out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
         outs.append(out)
         errs.append(err)
+        argv = [str(script), "--rank", str(rank), "--world", str(n), "--port", str(port), *map(str, args(rank))]
+        rank_env = xla_env(devices=1, env=env(rank) if env else None)
+        if preloaded:
+            procs.append(zygote.start(argv, env=rank_env, cwd=ROOT, stdout=out, stderr=err))
+            continue
         with open(out, "w") as fo, open(err, "w") as fe:
-            cmd = [sys.executable, str(script), "--rank", str(rank), "--world", str(n), "--port", str(port),
-                   *map(str, args(rank))]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=fo, stderr=fe, text=True,
-                                          env=xla_env(devices=1, env=env(rank) if env else None)))
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=fo, stderr=fe, text=True,
+                                          env=rank_env))
     running = RankProcesses(procs, outs)
     try:
         if kill is not None:

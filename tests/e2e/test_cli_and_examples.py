@@ -14,7 +14,7 @@ BIN = Path(sys.executable).parent
 
 def test_plan_reports_units_and_bytes_per_rank():
     res = run_python([BIN / "hf-xla-fsdp", "plan", ROOT / "examples/configs/tiny_llama.json", "--world-size", "4",
-                      "--fsdp-config", ROOT / "examples/xla_fsdp_config.json"], timeout=600)
+                      "--fsdp-config", ROOT / "examples/xla_fsdp_config.json"], timeout=600, preloaded=True)
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["num_units"] == 5 and report["world_size"] == 4
@@ -38,7 +38,7 @@ def test_cli_bad_config_is_one_line_and_nonzero(tmp_path):
 @pytest.mark.slow
 def test_quickstart_end_to_end(tmp_path):
     res = run_python(["examples/quickstart.py", "--output_dir", tmp_path, "--max_train_steps", "60",
-                      "--save_steps", "30"], timeout=600)
+                      "--save_steps", "30"], timeout=600, preloaded=True)
     assert res.returncode == 0, res.stdout + res.stderr
     results = json.loads((tmp_path / "quickstart_results.json").read_text())
     assert results["eval_loss_final"] < results["eval_loss_start"] - 0.5

@@ -18,7 +18,8 @@ def test_digits_sharded_and_consolidated_accuracy(tmp_path):
     out = tmp_path / "results.json"
     res = run_python([EXAMPLES / "digits_fsdp_with_ckpt.py", "--batch_size", "64", "--drop_last",
                       "--num_epochs", "3", "--use_nested_fsdp", "--use_gradient_checkpointing",
-                      "--test_set_batch_size", "120", "--ckpt_prefix", tmp_path / "final_ckpt", "--output_json", out])
+                      "--test_set_batch_size", "120", "--ckpt_prefix", tmp_path / "final_ckpt", "--output_json", out],
+                     preloaded=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["plugin"]["sharding"] == "zero3" and results["plugin"]["activation_checkpointing"]
@@ -36,7 +37,7 @@ def test_digits_sharded_and_consolidated_accuracy(tmp_path):
 @pytest.mark.slow
 def test_image_classification_few_steps_with_all_three_flags(tmp_path):
     folder = tmp_path / "digits"
-    res = run_python([EXAMPLES / "image_data.py", "--make_imagefolder", folder, "--image_size", "16"])
+    res = run_python([EXAMPLES / "image_data.py", "--make_imagefolder", folder, "--image_size", "16"], preloaded=True)
     assert res.returncode == 0, res.stderr
     assert len(list((folder / "train").iterdir())) == 10 and (folder / "validation" / "3").is_dir()
     out = tmp_path / "results.json"
@@ -78,7 +79,8 @@ def test_build_large_model_plan_and_small_build():
 def test_build_large_model_recipe_plans_builds_trains_and_saves(tmp_path):
     # the whole recipe where every rank is present (world 1): plan for a slice, build, one step, sharded save
     res = run_python([EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--tpu", "v5e-1", "--world_size", "1",
-                      "--build", "--train_step", "--compute_dtype", "float32", "--save_dir", tmp_path / "ckpt"])
+                      "--build", "--train_step", "--compute_dtype", "float32", "--save_dir", tmp_path / "ckpt"],
+                     preloaded=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout[res.stdout.index("{"):])
     assert out["tpu_plan"]["fits"] is True and out["tpu_plan"]["slice"] == "v5e-1"
@@ -89,7 +91,7 @@ def test_build_large_model_recipe_plans_builds_trains_and_saves(tmp_path):
     assert (tmp_path / "ckpt" / "checkpoint_complete.json").is_file()
     # an emulated rank of 4: the step is skipped (it needs the other ranks), its own rank file is written
     res = run_python([EXAMPLES / "build_large_model.py", "--preset", "vit-tiny", "--world_size", "4", "--rank", "2",
-                      "--build", "--train_step", "--save_dir", tmp_path / "emulated"])
+                      "--build", "--train_step", "--save_dir", tmp_path / "emulated"], preloaded=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout[res.stdout.index("{"):])
     assert out["built_rank"] == 2 and out["train_step"].startswith("skipped: rank 2 of 4")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import USER_SCRIPTS
+from helpers import USER_SCRIPTS, run_python
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -204,10 +204,8 @@ def pre(tmp_path_factory) -> Path:
 def test_sft_trainer_with_one_swapped_import(pre, tmp_path, engine, use_peft):
     """v1: full fine-tune in fp32 (--bf16 false); v2 on 4 devices: LoRA with TRL's default bf16=True."""
     pytest.importorskip("trl")
-    env = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false", USE_HF_XLA_FSDP="1",
-               CPU_NUM_DEVICES="4" if engine == "v2" else "1")
     out = tmp_path / "out"
-    cmd = [sys.executable, str(USER_SCRIPTS / "sft.py"), "--model_name_or_path", str(pre / "llama"),
+    cmd = [str(USER_SCRIPTS / "sft.py"), "--model_name_or_path", str(pre / "llama"),
            "--output_dir", str(out), "--fsdp", "full_shard",
            "--fsdp_config", json.dumps({"xla": True, "xla_fsdp_v2": engine == "v2"}),
            "--max_steps", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--report_to", "none",
@@ -215,19 +213,19 @@ def test_sft_trainer_with_one_swapped_import(pre, tmp_path, engine, use_peft):
     # LoRA: checkpoint-4 and checkpoint-8, with the logits at each (see recording.py); full weights: no checkpoints
     cmd += (["--use_peft", "--learning_rate", "1e-2", "--save_steps", "4", "--record_dir", str(tmp_path / "rec")]
             if use_peft else ["--bf16", "false", "--save_strategy", "no"])
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    res = run_python(cmd, devices=4 if engine == "v2" else 1, env={"USE_HF_XLA_FSDP": "1"}, timeout=1200,
+                     preloaded=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     results = json.loads((out / "results.json").read_text())
     assert results["eval_loss"] < results["eval_loss_before"]
     # the saved model (full or adapters) reloads and, evaluated by the stock SFTTrainer on the CPU, gives the
     # trainer's eval loss (fp32 on both sides: TRL's default bf16 autocast breaks CPU SDPA, so it is off there)
     assert (out / "adapter_model.safetensors").is_file() == use_peft and (out / "model.safetensors").is_file() != use_peft
-    stock = dict(env, CPU_NUM_DEVICES="1")  # stock transformers on the CPU: one device, no SPMD
-    stock.pop("USE_HF_XLA_FSDP")
-    check = subprocess.run(cmd[:2] + ["--model_name_or_path", str(pre / "llama"), "--output_dir", str(tmp_path / "eval"),
-                                      "--evaluate_saved", str(out), "--use_cpu", "--report_to", "none",
-                                      "--max_length", "64", "--pad_to_multiple_of", "64", "--bf16", "false"],
-                           capture_output=True, text=True, env=stock, timeout=600)
+    # stock transformers on the CPU: one device, no SPMD
+    check = run_python(cmd[:1] + ["--model_name_or_path", str(pre / "llama"), "--output_dir", str(tmp_path / "eval"),
+                                  "--evaluate_saved", str(out), "--use_cpu", "--report_to", "none",
+                                  "--max_length", "64", "--pad_to_multiple_of", "64", "--bf16", "false"],
+                       devices=1, timeout=600, preloaded=True)
     assert check.returncode == 0, check.stderr[-3000:]
     reloaded = json.loads(check.stdout.strip().splitlines()[-1])["eval_loss"]
     # fp32 training: the same loss up to summation order; bf16 training: the trainer evaluated with bf16 weights
@@ -282,11 +280,10 @@ print("ok", state, trainable, diff)
 
 @pytest.mark.slow
 def test_lora_on_fsdp_v2_over_four_devices(tmp_path):
-    from helpers import run_python
 
     script = tmp_path / "v2_lora.py"
     script.write_text(V2_LORA)
-    res = run_python([script, tmp_path], devices=4, timeout=900)
+    res = run_python([script, tmp_path], devices=4, timeout=900, preloaded=True)
     assert res.returncode == 0 and res.stdout.strip().splitlines()[-1].startswith("ok"), res.stderr[-3000:]
 
 
@@ -294,7 +291,6 @@ def test_lora_on_fsdp_v2_over_four_devices(tmp_path):
 def test_lora_bf16_on_v2_checkpoints_are_adapters_and_resume(tmp_path):
     """A user's Trainer script with peft LoRA, bf16=True and FSDP v2 on 4 devices: every checkpoint-N loads with
     PeftModel.from_pretrained at step N's logits, and checkpoint-3 resumes exactly."""
-    from helpers import run_python
 
     script = USER_SCRIPTS / "trainer_outputs.py"
     cfg = tmp_path / "v2.json"
@@ -305,7 +301,7 @@ def test_lora_bf16_on_v2_checkpoints_are_adapters_and_resume(tmp_path):
                           "--output_dir", out, "--max_steps", "6", "--save_steps", "3", "--logging_steps", "1",
                           "--learning_rate", "1e-2", "--per_device_train_batch_size", "8", "--report_to", "none",
                           "--disable_tqdm", "true", "--record_dir", out.parent / f"{out.name}-rec", *extra],
-                         devices=4, timeout=1200)
+                         devices=4, timeout=1200, preloaded=True)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
         history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
         return {e["step"]: e["loss"] for e in history if "loss" in e}

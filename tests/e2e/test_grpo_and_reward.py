@@ -59,7 +59,7 @@ def test_reward_model_on_v1_equals_stock_and_saves_its_score_head(llama, tmp_pat
     tmp = tmp_path_factory.mktemp(f"reward-{variant}")
     stock = stock_reward(llama, tmp_path_factory.getbasetemp(), variant)
     res = run_python(_reward_argv(llama, tmp / "ours", variant, *XLA_V1, "--save_steps", str(STEPS), "--record_dir",
-                                  tmp / "rec"), env={"USE_HF_XLA_FSDP": "1"}, timeout=1200)
+                                  tmp / "rec"), env={"USE_HF_XLA_FSDP": "1"}, timeout=1200, preloaded=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
     ours = json.loads((tmp / "ours" / "results.json").read_text())
     diff = max(abs(a - b) for a, b in zip(_series(ours, "loss"), _series(stock, "loss")))
@@ -101,7 +101,7 @@ def test_grpo_six_steps_compile_no_graph_after_step_two(llama, tmp_path_factory,
     res = run_python([USER_SCRIPTS / "grpo.py", "--model_name_or_path", llama, "--output_dir", out, *common, *fsdp,
                       "--max_steps", "6", "--num_generations", "4", "--max_completion_length", "8",
                       "--learning_rate", "1e-3", "--save_strategy", "no", "--record_dir", str(out), *extra],
-                     devices=devices, env={"USE_HF_XLA_FSDP": "1"}, timeout=1500)
+                     devices=devices, env={"USE_HF_XLA_FSDP": "1"}, timeout=1500, preloaded=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
     results = json.loads((out / "results.json").read_text())
     compiles, graphs, steps = results["compiles"], results["graphs"], results["steps"]

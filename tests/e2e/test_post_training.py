@@ -58,7 +58,8 @@ def _dpo_argv(model: Path, out: Path, *extra: str, stock: bool = False) -> list:
 
 
 def _dpo(model: Path, out: Path, *extra: str, devices: int = 1) -> dict:
-    res = run_python(_dpo_argv(model, out, *extra), devices=devices, env={"USE_HF_XLA_FSDP": "1"}, timeout=1200)
+    res = run_python(_dpo_argv(model, out, *extra), devices=devices, env={"USE_HF_XLA_FSDP": "1"}, timeout=1200,
+                     preloaded=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
     return json.loads((out / "results.json").read_text())
 

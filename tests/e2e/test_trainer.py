@@ -26,7 +26,7 @@ def run_clm(out: Path, *extra: str, timeout: int = 900, devices: int = 1, fsdp_j
             ) -> subprocess.CompletedProcess:
     """``examples/run_clm.py`` with the COMMON arguments (``fsdp_json`` as its --fsdp_config) and ``extra``."""
     common = [str(fsdp_json) if c == str(FSDP_JSON) else c for c in COMMON]
-    return run_python([SCRIPT, *common, "--output_dir", out, *extra], devices=devices, timeout=timeout)
+    return run_python([SCRIPT, *common, "--output_dir", out, *extra], devices=devices, timeout=timeout, preloaded=True)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -326,7 +326,8 @@ def run_stock_v2(out: Path, devices: int, **env_extra: str) -> subprocess.Comple
                                "xla_fsdp_grad_ckpt": True}))
     return run_python([V2_STOCK, "--fsdp", "full_shard", "--fsdp_config", cfg, "--output_dir", out, "--max_steps", "6",
                        "--save_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size", "8",
-                       "--report_to", "none", "--disable_tqdm", "true"], devices=devices, env=env_extra)
+                       "--report_to", "none", "--disable_tqdm", "true"], devices=devices, env=env_extra,
+                      preloaded=not env_extra)  # LATE_IMPORT: what the import order does is the subject
 
 
 @pytest.mark.slow
@@ -385,14 +386,19 @@ NOT_WRITTEN = {
 
 def run_outputs(out: Path, *extra: str, stock: bool = False, more: tuple = ()) -> Path:
     """tests/scripts/user/trainer_outputs.py into ``out``: transformers' Trainer on the CPU (``stock``), or
-    XlaFsdpTrainer on XLA:CPU. ``more``: (out, extra) pairs run after it, the same way, in the same process."""
+    XlaFsdpTrainer on XLA:CPU (each run a process of its own, preloaded). ``more``: (out, extra) pairs run after it,
+    the same way; the stock runs share one process (helpers.run_in_turn)."""
     if stock:  # no XLA at all: the stock Trainer as it runs on a laptop
         args, env = ["--use_cpu", "true"], {"STOCK": "1", "USE_TORCH_XLA": "0", "PJRT_DEVICE": None}
     else:
         args, env = ["--fsdp", "full_shard", "--fsdp_config", json.dumps({"xla": True})], {}
     argvs = [[OUTPUTS, "--output_dir", o, *OUTPUT_ARGS, *args, *x] for o, x in ((out, extra), *more)]
-    res = run_python(argvs[0], env=env, timeout=900) if len(argvs) == 1 else run_in_turn(argvs, env=env, timeout=900)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    if stock:  # without torch_xla, unlike the preloaded processes: one process for every run
+        runs = [run_python(argvs[0], env=env, timeout=900) if len(argvs) == 1 else run_in_turn(argvs, env=env, timeout=900)]
+    else:
+        runs = [run_python(argv, env=env, timeout=900, preloaded=True) for argv in argvs]
+    for res in runs:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return out
 
 

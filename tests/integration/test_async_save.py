@@ -101,7 +101,7 @@ save_checkpoint(sys.argv[1] + "/ckpt", model, async_save=True)
 print("returned", flush=True)
 """)
     (tmp_path / "file").write_text("")
-    res = run_python([script, tmp_path / "file"], timeout=300)
+    res = run_python([script, tmp_path / "file"], timeout=300, preloaded=True)
     assert res.returncode == 1 and "returned" in res.stdout, res.stdout + res.stderr[-2000:]
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("hf_xla_fsdp: the save of ") and "ckpt failed on rank 0" in last, res.stderr[-2000:]

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not install
 @pytest.mark.parametrize("loop,engine", [("plugin", "v1"), ("trainer", "v1"), ("accelerate", "v2"), ("trainer", "v2")])
 def test_steps_after_the_first_compile_nothing(loop: str, engine: str) -> None:
     args = [SCRIPTS / "compile_steps.py", loop, "--steps", "4"] + (["--v2"] if engine == "v2" else [])
-    proc = run_python(args, devices=4 if engine == "v2" else 1, timeout=600)
+    proc = run_python(args, devices=4 if engine == "v2" else 1, timeout=600, preloaded=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     compiles = result["compiles"]

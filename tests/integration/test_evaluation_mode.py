@@ -143,7 +143,7 @@ def test_v2_inference_model_has_no_master_copies_and_a_quarter_per_device(pretra
     path, _, _ = pretrained
     script = tmp_path / "v2_inference.py"
     script.write_text(V2_INFERENCE)
-    res = run_python([script, path], devices=4, timeout=600)
+    res = run_python([script, path], devices=4, timeout=600, preloaded=True)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["masters"] == 0 and out["policy_masters"] > 0  # the trained model of the same run has its fp32 copies

@@ -49,12 +49,13 @@ def check(run: subprocess.CompletedProcess) -> None:
 def test_checkpoints_move_between_xla_v2_and_fsdp2_and_consolidate_without_torch_xla(tmp_path):
     v2, fsdp2, back = tmp_path / "v2", tmp_path / "fsdp2", tmp_path / "back"
     # XLA FSDP v2 on 4 XLA:CPU devices: steps 1-5, its checkpoint after step 3
-    check(run_python([WORKER, "v2", "--out", v2, "--steps", "5", "--save-at", "3"], devices=4))
+    check(run_python([WORKER, "v2", "--out", v2, "--steps", "5", "--save-at", "3"], devices=4, preloaded=True))
     # fsdp2 on 4 processes resumes it: steps 4-5, its own checkpoint after step 4 (written in the background)
     check(torchrun(4, [WORKER, "fsdp2", "--out", fsdp2, "--steps", "2", "--resume", v2 / "ckpt", "--save-at", "4",
                        "--async-save", "--evaluation-check"]))
     # and XLA FSDP v2 resumes fsdp2's: step 5
-    check(run_python([WORKER, "v2", "--out", back, "--steps", "1", "--resume", fsdp2 / "ckpt"], devices=4))
+    check(run_python([WORKER, "v2", "--out", back, "--steps", "1", "--resume", fsdp2 / "ckpt"], devices=4,
+                     preloaded=True))
     eager, on_v2 = eager_losses(5), losses(v2)
     # fp32 on both engines; the bound covers reductions in another order (XLA's fused kernels, 4 partial means and a
     # reduce-scatter instead of one batch mean): about 1e-5 was measured after 5 AdamW steps

@@ -16,7 +16,7 @@ WORKER = SCRIPTS / "scan_worker.py"
 
 
 def worker(mode: str, *args: str) -> dict:
-    res = run_python([WORKER, mode, *args], devices=4, timeout=900)
+    res = run_python([WORKER, mode, *args], devices=4, timeout=900, preloaded=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -125,7 +125,7 @@ def test_stock_trainer_script_with_lora_and_checkpointing_trains_like_unrolled(t
         res = run_python([USER_SCRIPTS / "stock_trainer.py", "--lora", "true", "--fsdp", "full_shard", "--fsdp_config",
                           cfg, "--output_dir", out, "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1",
                           "--per_device_train_batch_size", "8", "--learning_rate", "1e-3", "--report_to", "none",
-                          "--disable_tqdm", "true"], devices=4, timeout=900)
+                          "--disable_tqdm", "true"], devices=4, timeout=900, preloaded=True)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
         results[scan] = json.loads((out / "results.json").read_text())["losses"]
         # the optimizer state of a scanned run is the stacked weights' (rank file metadata names them)

@@ -18,7 +18,7 @@ WORKER = SCRIPTS / "spmd_worker.py"
 
 def worker(mode: str, devices: int, *args: str, timeout: int = 600) -> dict:
     """Run one spmd_worker.py scenario on ``devices`` XLA:CPU devices; its JSON report."""
-    res = run_python([WORKER, mode, *args], devices=devices, timeout=timeout)
+    res = run_python([WORKER, mode, *args], devices=devices, timeout=timeout, preloaded=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -26,7 +26,7 @@ def worker(mode: str, devices: int, *args: str, timeout: int = 600) -> dict:
 def many(devices: int, *scenarios: list[str], timeout: int = 900) -> list[dict]:
     """Several spmd_worker.py scenarios on the same ``devices`` in one process (one start-up instead of several); their
     reports, in order."""
-    res = run_python([WORKER, "--many", json.dumps(scenarios)], devices=devices, timeout=timeout)
+    res = run_python([WORKER, "--many", json.dumps(scenarios)], devices=devices, timeout=timeout, preloaded=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

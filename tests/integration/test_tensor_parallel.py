@@ -24,7 +24,8 @@ def worker(*args: str, dump: Optional[Path] = None) -> dict:
     """One tp_worker.py scenario on 8 XLA:CPU devices; its JSON report. ``dump``: XLA writes its HLO there."""
     env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text".strip()} \
         if dump else None
-    res = run_python([WORKER, *args], devices=DEVICES, timeout=600, env=env)
+    # a run that dumps its HLO has XLA_FLAGS of its own, which would need a preloaded server of its own: fresh
+    res = run_python([WORKER, *args], devices=DEVICES, timeout=600, env=env, preloaded=dump is None)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -145,7 +146,7 @@ def test_stock_trainer_script_on_a_2d_mesh(tmp_path):
     res = run_python([ROOT / "examples" / "run_clm.py", "--fsdp", "--fsdp_config", tmp_path / "fsdp.json",
                       "--max_steps", "20", "--save_steps", "10", "--logging_steps", "1", "--per_device_train_batch_size",
                       "4", "--learning_rate", "3e-3", "--report_to", "none", "--max_eval_samples", "16", "--seed", "7",
-                      "--output_dir", out], devices=4, timeout=900)
+                      "--output_dir", out], devices=4, timeout=900, preloaded=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     meta = json.loads((out / "checkpoint-10" / "rank-00000-of-00001.json").read_text())
     assert meta["devices"] == 4 and meta["plugin"]["tensor_parallel_size"] == 2

@@ -254,7 +254,8 @@ def test_spmd_is_started_once_per_process_whatever_asks(tmp_path):
     its accelerator, the script's Accelerator, a build): the engine's set-up runs once, and so does use_spmd."""
     from helpers import run_python
 
-    res = run_python(["-c", ONCE, tmp_path / "out"], devices=4, env={r.LAUNCH_ENV: None}, timeout=600)
+    res = run_python(["-c", ONCE, tmp_path / "out"], devices=4, env={r.LAUNCH_ENV: None}, timeout=600,
+                     preloaded=True)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got == {"setups": ["the launcher"], "use_spmd": 1, "counted": 1, "spmd": True,

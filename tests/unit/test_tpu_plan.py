@@ -32,7 +32,7 @@ def test_slice_names_count_chips_as_google_does():
 
 
 def _plan(*args, expect_rc=0):
-    res = run_python([BIN / "hf-xla-fsdp", "plan", *args], timeout=600)
+    res = run_python([BIN / "hf-xla-fsdp", "plan", *args], timeout=600, preloaded=True)
     assert res.returncode == expect_rc, res.stderr
     return res
 
@@ -124,7 +124,7 @@ def test_v1_gradients_are_the_shards_after_a_real_backward():
 @pytest.mark.slow
 @pytest.mark.parametrize("devices,tensor", [(4, 1), (8, 2)])
 def test_v2_exact_parts_equal_the_spmd_shards(devices, tensor):
-    res = run_python([WORKER, json.dumps(CONFIG), str(tensor)], devices=devices, timeout=600)
+    res = run_python([WORKER, json.dumps(CONFIG), str(tensor)], devices=devices, timeout=600, preloaded=True)
     assert res.returncode == 0, res.stderr[-3000:]
     real = json.loads(res.stdout.strip().splitlines()[-1])
     planned = chip_memory(tiny_llama(**CONFIG), XlaFsdpPlugin(version=2, tensor_parallel_size=tensor), devices, seq_len=8)
