@@ -17,8 +17,9 @@ What differs from a fresh interpreter, and why each is harmless for the runs tha
   scripts' own) are forked from different servers (``USE_TORCH_XLA=0``: one that never imported torch_xla;
   ``HF_XLA_FSDP=1``: one whose start-up hook was installed before the imports, as in a fresh process). What the
   imports set in the environment (torch_xla's ``XLA_FLAGS`` additions and log levels) is set again in the child's.
-- hf_xla_fsdp itself is never preloaded: its import, its start-up hook (``HF_XLA_FSDP``, which is not a safe key) and
-  every setting it reads happen in the child as in a fresh process.
+- hf_xla_fsdp itself is not preloaded: its import and every setting it reads happen in the child as in a fresh
+  process (its start-up hook, with ``HF_XLA_FSDP=1``, acts in that run's server before the upstream imports, as it
+  acts in a fresh process before the script's).
 - torch's and numpy's global generators are seeded from the OS in the child, as in a fresh process (Python's
   ``random`` reseeds itself after a fork).
 
@@ -268,9 +269,13 @@ if __name__ == "__main__":
     import runpy
 
     if _request["argv"][0] == "-c":
+        import types
+
         _code = _request["argv"][1]
         del _request
-        exec(compile(_code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        _main = types.ModuleType("__main__")  # a module of its own, as python -c has (pickle finds its functions)
+        sys.modules["__main__"] = _main
+        exec(compile(_code, "<string>", "exec"), _main.__dict__)
     elif _request["argv"][0] == "-m":
         _module = _request["argv"][1]
         del _request
