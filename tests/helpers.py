@@ -304,7 +304,7 @@ def run_ranks(n: int, args: Callable[[int], Sequence[str | os.PathLike]], *,
         errs.append(err)
         argv = [str(script), "--rank", str(rank), "--world", str(n), "--port", str(port), *map(str, args(rank))]
         rank_env = xla_env(devices=1, env=env(rank) if env else None)
-        if preloaded:
+        if preloaded and zygote.available():
             procs.append(zygote.start(argv, env=rank_env, cwd=ROOT, stdout=out, stderr=err))
             continue
         with open(out, "w") as fo, open(err, "w") as fe:

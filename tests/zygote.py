@@ -59,6 +59,15 @@ _lock = threading.Lock()
 _IMPORT_SET: dict[str, tuple[str | None, str]] = {}
 
 
+def available() -> bool:
+    """Whether servers can run here: they wait on their children through pidfds (Linux 5.3+)."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
 def _import_environment(env: Mapping[str, str]) -> frozenset:
     """What of ``env`` a preloaded module may read at import: everything but ``SAFE_KEYS`` / ``SAFE_PREFIXES``."""
     return frozenset((k, v) for k, v in env.items() if k not in SAFE_KEYS and not k.startswith(SAFE_PREFIXES))
@@ -150,7 +159,7 @@ def run(args: Sequence[str], *, env: Mapping[str, str], cwd: os.PathLike | str,
         timeout: float) -> subprocess.CompletedProcess[str]:
     """:func:`start`, then wait, like ``subprocess.run`` with ``capture_output=True, text=True``: the exit code,
     stdout and stderr; on ``timeout`` the run's process group is killed and ``subprocess.TimeoutExpired`` raised."""
-    if not hasattr(os, "pidfd_open"):  # the server waits on its children through pidfds (Linux 5.3+)
+    if not available():  # a fresh process: the same run, with its imports
         return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=dict(env), capture_output=True,
                               text=True, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="zygote-run-") as folder:
