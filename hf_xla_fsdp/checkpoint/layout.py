@@ -145,6 +145,9 @@ def read_marker(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         if any(directory.glob("rank-*.safetensors")):
             raise CheckpointError(f"{directory} is incomplete (no {COMPLETE_MARKER}): its save did not finish")
+        if any(directory.glob("rank*-of-*-pytorch_model.bin")):
+            raise CheckpointError(f"{directory} was written by transformers' own XLA FSDP path, which hf_xla_fsdp cannot "
+                                  "resume; consolidate it with `hf-xla-fsdp consolidate` and start from that model")
         raise CheckpointError(f"{directory} is not an hf_xla_fsdp checkpoint (no {COMPLETE_MARKER})")
     try:
         marker = json.loads(path.read_bytes())

@@ -156,8 +156,8 @@ class XlaFsdpAccelerator(Accelerator):
     def _throughput_meter(self) -> Optional[throughput.Throughput]:
         meter = getattr(self, "_xla_fsdp_throughput", None)
         if meter is None and len(self._models) == 1 and self._xla_fsdp_own_session:
-            meter = self._xla_fsdp_throughput = throughput.Throughput.for_model(self._models[0],
-                                                                                self.xla_fsdp_session.unwrap)
+            meter = self._xla_fsdp_throughput = throughput.Throughput.for_model(
+                self._models[0], self.xla_fsdp_session.transformers_model)
         return meter
 
     def _training_meter(self) -> Optional[throughput.Throughput]:

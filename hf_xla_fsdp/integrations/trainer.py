@@ -68,7 +68,7 @@ class ThroughputCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
         """The model is wrapped: size its FLOPs, read the devices."""
-        self.meter = Throughput.for_model(model, self.session.unwrap)
+        self.meter = Throughput.for_model(model, self.session.transformers_model)
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
         """The host starts tracing a step."""
@@ -190,7 +190,7 @@ class XlaFsdpTrainerMixin:
             self.xla_fsdp_session.like_step_output(running)
         meter = self._throughput_meter()
         if meter is not None:
-            meter.batch(inputs, getattr(self._transformers_model(), "main_input_name", "input_ids"))
+            meter.batch(inputs, getattr(self.xla_fsdp_session.transformers_model(self.model), "main_input_name", "input_ids"))
         return super().training_step(model, inputs, *args, **kwargs)
 
     def _throughput_meter(self) -> Optional[Throughput]:
@@ -205,21 +205,13 @@ class XlaFsdpTrainerMixin:
             logs.update(meter.logs())
         super().log(logs, *args, **kwargs)
 
-    def _transformers_model(self) -> nn.Module:
-        """The transformers model inside the FSDP wrappers and, for a PEFT model, inside peft's (whose plain
-        ``PeftModel.forward(*args, **kwargs)`` names no column), as the stock Trainer inspects it."""
-        inner = self.xla_fsdp_session.unwrap(self.model)
-        if hasattr(inner, "get_base_model") and hasattr(inner, "peft_config"):
-            inner = inner.get_base_model()
-        return inner
-
     def _inspect_inner_model(self) -> None:
         """Label names and loss support from the transformers model, not from its FSDP wrapper's class."""
         from transformers.utils import can_return_loss, find_labels
 
         if self.model is None:
             return
-        inner = type(self._transformers_model())
+        inner = type(self.xla_fsdp_session.transformers_model(self.model))
         if self.args.label_names is None:
             self.label_names = find_labels(inner)
         self.can_return_loss = can_return_loss(inner)
@@ -229,7 +221,8 @@ class XlaFsdpTrainerMixin:
             return super()._set_signature_columns_if_needed()  # the subclass's own columns (TRL's: its datasets')
         if self._signature_columns is None:
             # FSDP's forward(*args, **kwargs) hides the columns the model really takes
-            self._signature_columns = list(inspect.signature(self._transformers_model().forward).parameters)
+            inner = self.xla_fsdp_session.transformers_model(self.model)
+            self._signature_columns = list(inspect.signature(inner.forward).parameters)
             self._signature_columns += list({"label", "label_ids", *self.label_names})
 
     # ----------------------------------------------------------------- the model
@@ -342,34 +335,20 @@ class XlaFsdpTrainerMixin:
                          on_published=published, adapters=True)
 
     def _save_side_files(self, directory: Path) -> None:
-        """config.json, generation_config.json, tokenizer and training_args.json of the run.
-
-        The tokenizer is the ``processing_class`` or, without one, the data collator's ``tokenizer`` (as the stock
-        ``Trainer._save`` falls back to it). A PEFT model's directory gets no config.json, as peft's own save: beside
-        adapter files it would make ``from_pretrained(dir)`` look for the full model's weights there."""
-        inner = self.xla_fsdp_session.unwrap(self.model)
-        config = getattr(inner, "config", None)
-        if config is not None and not self.xla_fsdp_session.checkpoints.is_peft(self.model):
-            config.save_pretrained(str(directory))
-        generation_config = getattr(inner, "generation_config", None)
-        if generation_config is not None and getattr(inner, "can_generate", lambda: False)():
-            generation_config.save_pretrained(str(directory))
+        """The model's config files and tokenizer (:meth:`~hf_xla_fsdp.session.CheckpointManager.write_model_files`)
+        and training_args.json. The tokenizer is the ``processing_class`` or, without one, the data collator's
+        ``tokenizer`` (as the stock ``Trainer._save`` falls back to it)."""
         processor = self.processing_class
         if processor is None:
             processor = getattr(self.data_collator, "tokenizer", None)
-        if processor is not None:
-            processor.save_pretrained(str(directory))
+        self.xla_fsdp_session.checkpoints.write_model_files(directory, self.model, processor)
         (directory / "training_args.json").write_text(self.args.to_json_string())
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         """Check ``resume_from_checkpoint`` is one of our complete checkpoints (loaded after the optimizer exists)."""
-        from ..checkpoint import COMPLETE_MARKER, read_marker
+        from ..checkpoint import read_marker
 
-        path = Path(resume_from_checkpoint)
-        if not (path / COMPLETE_MARKER).is_file() and any(path.glob("rank*-of-*-pytorch_model.bin")):
-            raise ConfigError(f"{path} was written by transformers' own XLA FSDP path, which XlaFsdpTrainer cannot "
-                              "resume; consolidate it with `hf-xla-fsdp consolidate` and start from that model")
-        read_marker(path)
+        read_marker(Path(resume_from_checkpoint))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
         """Restore this rank's model shard, optimizer and scheduler (any saved world size)."""

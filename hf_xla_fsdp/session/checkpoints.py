@@ -187,6 +187,20 @@ class CheckpointManager:
             self.barrier("hf_xla_fsdp.save_consolidated.done")
         return output
 
+    def write_model_files(self, directory: Path, model: nn.Module, processor: Any = None) -> None:
+        """What a stock save writes beside the weights: ``config.json`` (not for a PEFT model, as peft's own save:
+        beside adapter files it would make ``from_pretrained(dir)`` look for the full model's weights there),
+        ``generation_config.json`` of a model that generates, and the tokenizer or processor."""
+        inner = self.session.unwrap(model)
+        config = getattr(inner, "config", None)
+        if config is not None and not self.is_peft(model):
+            config.save_pretrained(str(directory))
+        generation_config = getattr(inner, "generation_config", None)
+        if generation_config is not None and getattr(inner, "can_generate", lambda: False)():
+            generation_config.save_pretrained(str(directory))
+        if processor is not None:
+            processor.save_pretrained(str(directory))
+
     def is_peft(self, model: nn.Module) -> bool:
         """True for a PEFT model (adapters inside the FSDP units)."""
         from ..export.peft import is_peft_model

@@ -215,6 +215,14 @@ class XlaFsdpSession:
         """The user's module inside the FSDP units."""
         return self.engine.unwrap(model)
 
+    def transformers_model(self, model: nn.Module) -> nn.Module:
+        """The transformers model inside the FSDP units and, for a PEFT model, inside peft's (whose plain
+        ``PeftModel.forward(*args, **kwargs)`` names no input), as transformers inspects a model."""
+        inner = self.unwrap(model)
+        if hasattr(inner, "get_base_model") and hasattr(inner, "peft_config"):
+            inner = inner.get_base_model()
+        return inner
+
     def _wrap_block(self, block: nn.Module, nested: bool, *, evaluation_mode: bool = False) -> nn.Module:
         # the keyword only when asked: an engine that wraps every model for training need not know it
         mode = {"evaluation_mode": True} if evaluation_mode else {}

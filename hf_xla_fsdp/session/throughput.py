@@ -121,12 +121,11 @@ class Throughput:
 
     @classmethod
     def for_model(cls, model: nn.Module, unwrap: Callable[[nn.Module], nn.Module]) -> "Throughput":
-        """A meter for the wrapped ``model`` (``unwrap`` gives the transformers model inside), on this runtime."""
+        """A meter for the wrapped ``model`` (``unwrap`` gives the transformers model inside, a PEFT model's base
+        model: :meth:`~hf_xla_fsdp.session.XlaFsdpSession.transformers_model`), on this runtime."""
         from .. import runtime
 
         inner = unwrap(model)
-        if hasattr(inner, "get_base_model") and hasattr(inner, "peft_config"):
-            inner = inner.get_base_model()
         flops = None
         config = getattr(inner, "config", None)
         if config is not None:

@@ -74,3 +74,19 @@ def test_a_save_records_its_side_files(tmp_path):
     (ckpt / "tokenizer_config.json").write_text("{ }")
     with pytest.raises(CheckpointError, match="tokenizer_config.json is corrupted: its SHA-256 differs"):
         check_side_files(ckpt, marker)
+
+
+def test_a_directory_without_a_marker_is_named_for_what_it_holds(tmp_path):
+    """Every reader of our checkpoints (Trainer resume, accelerate's load_state, load_checkpoint) reads the marker
+    first: what the directory holds instead decides the one line it gets."""
+    cases = {"rank-00000-of-00002.safetensors": "is incomplete (no checkpoint_complete.json): its save did not finish",
+             "rank0-of-2-pytorch_model.bin": "was written by transformers' own XLA FSDP path, which hf_xla_fsdp cannot "
+                                             "resume; consolidate it with `hf-xla-fsdp consolidate`",
+             "notes.txt": "is not an hf_xla_fsdp checkpoint (no checkpoint_complete.json)"}
+    for name, needle in cases.items():
+        directory = tmp_path / name.split(".")[0]
+        directory.mkdir()
+        (directory / name).write_bytes(b"")
+        with pytest.raises(CheckpointError) as err:
+            read_marker(directory)
+        assert str(err.value).startswith(f"{directory} {needle}") and "\n" not in str(err.value), err.value
