@@ -172,6 +172,33 @@ def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def start_python(args: Sequence[str | os.PathLike], *, log: Path, devices: int | None = 1,
+                 env: Mapping[str, str | None] | None = None, cwd: Path = ROOT,
+                 preloaded: bool = True) -> subprocess.Popen | zygote.ForkedProcess:
+    """``python *args`` started and not waited for (a test that signals or kills it while it runs), stdout to the file
+    ``log`` and stderr to ``log`` + ``.err``, so no pipe fills up. ``preloaded`` (the default; see :func:`run_python`)
+    forks it from tests/zygote.py's server where that is available."""
+    out, err = Path(log), Path(f"{log}.err")
+    run_env = xla_env(devices=devices, env=env)
+    if preloaded and zygote.available():
+        return zygote.start(args, env=run_env, cwd=cwd, stdout=out, stderr=err)
+    with open(out, "w") as fo, open(err, "w") as fe:
+        return subprocess.Popen([sys.executable, *map(str, args)], cwd=cwd, env=run_env, stdout=fo, stderr=fe,
+                                text=True)
+
+
+def wait_for_output(proc: subprocess.Popen | zygote.ForkedProcess, log: Path, text: str, timeout: float = 600) -> bool:
+    """Wait until the file ``log`` holds ``text`` (False if ``proc`` exited or the time ran out first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if log.is_file() and text in log.read_text(errors="replace"):
+            return True
+        if proc.poll() is not None:
+            return log.is_file() and text in log.read_text(errors="replace")
+        time.sleep(0.02)
+    return False
+
+
 #: ``python -c IN_TURN '[[script, arg, ...], ...]'``: each script with its arguments, one after the other in this one
 #: process, as ``python script arg ...`` would run it (its directory first on sys.path, as ``__main__``)
 IN_TURN = ("import json, os, runpy, sys\n"
@@ -264,14 +291,7 @@ class RankProcesses:
 
     def wait_for(self, rank: int, text: str, timeout: float = 300) -> bool:
         """Wait until rank ``rank`` printed ``text`` (False if it exited or the time ran out first)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if text in self.output(rank):
-                return True
-            if self.procs[rank].poll() is not None:
-                return text in self.output(rank)
-            time.sleep(0.02)
-        return False
+        return wait_for_output(self.procs[rank], self.logs[rank], text, timeout)
 
     def kill(self, rank: int) -> None:
         """SIGKILL rank ``rank`` now."""

@@ -12,10 +12,14 @@ import sys
 
 import pytest
 import torch
+import zygote
 from helpers import ROOT, USER_SCRIPTS, fsdp2_env, tiny_llama, torchrun
 
 SCRIPT = USER_SCRIPTS / "fsdp2_trainer.py"
 RUNS = ["sgd", "adamw_torch", "adamw_torch+bf16"]
+#: the single-process runs on the host (stock references, building the models, consolidation): forked from one
+#: preloaded process (tests/zygote.py; their subject is not start-up), torch_xla unimportable as in the ranks
+HOST_ENV = fsdp2_env({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"})
 
 
 def losses(out, run: str) -> dict[str, float]:
@@ -36,9 +40,8 @@ def test_trainer_on_fsdp2_equals_the_stock_cpu_trainer_consolidates_and_resumes(
     # 4 processes of 2 rows each against one process of 8: the same global batches (accelerate's seedable sampler)
     run = torchrun(4, [SCRIPT, *model, "--output_dir", ours, "--optim", *RUNS, "--save_steps", "3"])
     assert run.returncode == 0, run.stderr[-6000:]
-    reference = subprocess.run([sys.executable, SCRIPT, "--stock", *model, "--output_dir", stock, "--optim", *RUNS,
-                                "--per_device_train_batch_size", "8"], cwd=ROOT, env=fsdp2_env(), capture_output=True,
-                               text=True, timeout=900)
+    reference = zygote.run([SCRIPT, "--stock", *model, "--output_dir", stock, "--optim", *RUNS,
+                            "--per_device_train_batch_size", "8"], cwd=ROOT, env=HOST_ENV, timeout=900)
     assert reference.returncode == 0, reference.stderr[-6000:]
     # fp32: the same arithmetic but for reductions in another order (4 partial means, a reduce-scatter, the norm
     # summed over shards); 5e-7 was measured over 6 steps
@@ -71,9 +74,8 @@ def test_trainer_on_fsdp2_equals_the_stock_cpu_trainer_consolidates_and_resumes(
     # `hf-xla-fsdp consolidate` of the last checkpoint (no torch_xla) is the final model the Trainer saved, and it
     # computes the stock Trainer's final model's loss
     out = tmp_path / "consolidated"
-    done = subprocess.run([sys.executable, "-m", "hf_xla_fsdp.cli", "consolidate",
-                           str(ours / "adamw_torch" / "checkpoint-6"), "--output", str(out), "--quiet"],
-                          env=fsdp2_env(), capture_output=True, text=True, timeout=300)
+    done = zygote.run(["-m", "hf_xla_fsdp.cli", "consolidate", ours / "adamw_torch" / "checkpoint-6", "--output", out,
+                       "--quiet"], cwd=ROOT, env=HOST_ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     consolidated = AutoModelForCausalLM.from_pretrained(out)
     final = AutoModelForCausalLM.from_pretrained(ours / "adamw_torch")
@@ -94,8 +96,7 @@ def test_accelerate_script_under_accelerates_own_fsdp2_yaml_equals_one_stock_pro
     from safetensors.torch import load_file
 
     pre = tmp_path / "pre"
-    made = subprocess.run([sys.executable, USER_SCRIPTS / "make_pretrained.py", pre], env=fsdp2_env(),
-                          capture_output=True, text=True, timeout=300)
+    made = zygote.run([USER_SCRIPTS / "make_pretrained.py", pre], cwd=ROOT, env=HOST_ENV, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     common = ["--model_name_or_path", pre / "llama", "--train_file", pre / "train.txt", "--validation_file",
               pre / "validation.txt", "--block_size", "32", "--learning_rate", "1e-3", "--seed", "0",
@@ -108,11 +109,9 @@ def test_accelerate_script_under_accelerates_own_fsdp2_yaml_equals_one_stock_pro
                            "--checkpointing_steps", "3", "--output_dir", str(tmp_path / "ours")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert ours.returncode == 0, ours.stdout[-3000:] + ours.stderr[-5000:]
-    stock_env = fsdp2_env({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"})
-    stock = subprocess.run([sys.executable, str(USER_SCRIPTS / "clm_no_trainer.py"), *map(str, common),
-                            "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8",
-                            "--output_dir", str(tmp_path / "stock")], cwd=ROOT, env=stock_env, capture_output=True,
-                           text=True, timeout=900)
+    stock = zygote.run([USER_SCRIPTS / "clm_no_trainer.py", *common, "--per_device_train_batch_size", "8",
+                        "--per_device_eval_batch_size", "8", "--output_dir", tmp_path / "stock"], cwd=ROOT, env=HOST_ENV,
+                       timeout=900)
     assert stock.returncode == 0, stock.stderr[-5000:]
     assert sorted(p.name for p in (tmp_path / "ours" / "checkpoints").iterdir()) == ["checkpoint_0", "checkpoint_1"]
     a, b = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "stock" / "model.safetensors")

@@ -78,23 +78,27 @@ def test_sigterm_saves_at_the_next_step_exits_0_and_resume_matches(trained, tmp_
     import signal
     import time
 
-    from helpers import xla_env
+    from helpers import start_python
 
     out = tmp_path / "preempted"
-    cmd = [sys.executable, str(SCRIPT), *COMMON, "--output_dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=xla_env(devices=1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    lines, seen, sent = [], 0, False
+    stdout = tmp_path / "preempted.log"
+    stderr = Path(f"{stdout}.err")
+    proc = start_python([SCRIPT, *COMMON, "--output_dir", out], log=stdout)
+
+    def output() -> str:
+        return "".join(f.read_text(errors="replace") for f in (stdout, stderr) if f.is_file())
+
+    sent = False
     deadline = time.monotonic() + 900
-    for line in proc.stdout:  # the loss of every step is logged (logging_steps=1)
-        lines.append(line)
-        seen += "'loss'" in line or '"loss"' in line
-        if seen >= 3 and not sent:
+    while proc.poll() is None:
+        # the loss of every step is logged (logging_steps=1)
+        if not sent and sum(("'loss'" in line or '"loss"' in line) for line in output().splitlines()) >= 3:
             proc.send_signal(signal.SIGTERM)  # while step 4 (or a later one) runs
             sent = True
-        assert time.monotonic() < deadline, "".join(lines[-30:])
-    rc = proc.wait(timeout=60)
-    log = "".join(lines)
+        assert time.monotonic() < deadline, output()[-3000:]
+        time.sleep(0.05)
+    rc = proc.wait()
+    log = output()
     assert sent and rc == 0, log[-3000:]
     found = re.findall(r"SIGTERM received: saved checkpoint (\S+checkpoint-(\d+)) at step (\d+)", log)
     assert len(found) == 1, log[-3000:]

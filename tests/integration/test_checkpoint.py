@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, TESTS, build_ranks, fake_adam_state, save_ranks, tiny_llama, xla_env
+from helpers import ROOT, TESTS, build_ranks, fake_adam_state, save_ranks, start_python, tiny_llama, wait_for_output
 from helpers import consolidate as xla_consolidate
 
 from hf_xla_fsdp.checkpoint import load_checkpoint, staging_dir
@@ -84,22 +82,20 @@ def test_loading_into_a_different_model_is_refused(tmp_path):
         load_checkpoint(tmp_path / "ckpt", flat)
 
 
-def _run_quickstart(out, *extra, timeout=600):
-    cmd = [sys.executable, str(ROOT / "examples/quickstart.py"), "--output_dir", str(out), "--max_train_steps", "8",
-           "--save_steps", "4", "--skip_consolidation", *map(str, extra)]
-    # Popen, not run_python: the test kills this run while it trains
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=xla_env())
+def _run_quickstart(out, log, *extra):
+    """examples/quickstart.py started, stdout to ``log`` (the tests kill it while it trains)."""
+    return start_python([ROOT / "examples/quickstart.py", "--output_dir", out, "--max_train_steps", "8",
+                         "--save_steps", "4", "--skip_consolidation", *extra], log=log)
 
 
 @pytest.mark.slow
 def test_resume_after_sigkill_continues_the_same_loss_curve(tmp_path):
-    full = _run_quickstart(tmp_path / "full")
-    assert full.wait(600) == 0, full.stdout.read()
+    full = _run_quickstart(tmp_path / "full", tmp_path / "full.log")
+    assert full.wait(600) == 0, (tmp_path / "full.log.err").read_text()[-3000:]
     reference = json.loads((tmp_path / "full" / "quickstart_results.json").read_text())["losses"]
 
     # the interrupted run: killed (SIGKILL) right after checkpoint-4 is complete
-    run = _run_quickstart(tmp_path / "killed")
+    run = _run_quickstart(tmp_path / "killed", tmp_path / "killed.log")
     marker = tmp_path / "killed" / "checkpoint-4" / COMPLETE_MARKER
     deadline = time.time() + 600
     while not marker.exists() and run.poll() is None and time.time() < deadline:
@@ -107,12 +103,12 @@ def test_resume_after_sigkill_continues_the_same_loss_curve(tmp_path):
     run.send_signal(signal.SIGKILL)
     run.wait()
     assert marker.exists()
-    resumed = _run_quickstart(tmp_path / "killed", "--resume_from_checkpoint", tmp_path / "killed" / "checkpoint-4")
-    output = resumed.stdout.read()
-    assert resumed.wait(600) == 0, output
+    log = tmp_path / "resumed.log"
+    resumed = _run_quickstart(tmp_path / "killed", log, "--resume_from_checkpoint", tmp_path / "killed" / "checkpoint-4")
+    assert resumed.wait(600) == 0, Path(f"{log}.err").read_text()[-3000:]
     # the line the script prints after load_checkpoint, with the step it read back (a silent restart from scratch
     # would recompute steps 1-4, deterministically, and the comparison below could not tell)
-    assert f"resumed from {tmp_path / 'killed' / 'checkpoint-4'} at step 4" in output
+    assert f"resumed from {tmp_path / 'killed' / 'checkpoint-4'} at step 4" in log.read_text()
     losses = json.loads((tmp_path / "killed" / "quickstart_results.json").read_text())["losses"]
     for step in range(5, 9):
         assert losses[str(step)] == reference[str(step)], (step, losses[str(step)], reference[str(step)])
@@ -144,10 +140,10 @@ def test_sigkill_during_save_never_leaves_a_complete_looking_checkpoint(tmp_path
     rnd = random.Random(0)
     next_index = 0
     for _ in range(4):
-        proc = subprocess.Popen([sys.executable, str(script), str(root), str(next_index)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, env=xla_env())
-        line = proc.stdout.readline()  # one save finished: now kill at a random moment of later saves
-        assert line.startswith("saved"), line
+        log = tmp_path / f"saver-{next_index}.log"
+        proc = start_python([script, root, next_index], log=log)
+        # one save finished: now kill at a random moment of later saves
+        assert wait_for_output(proc, log, "saved", timeout=300), Path(f"{log}.err").read_text()[-3000:]
         time.sleep(rnd.uniform(0.0, 0.6))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
