@@ -175,7 +175,7 @@ def run_python(args: Sequence[str | os.PathLike], *, devices: int | None = 1,
 def start_python(args: Sequence[str | os.PathLike], *, log: Path, devices: int | None = 1,
                  env: Mapping[str, str | None] | None = None, cwd: Path = ROOT,
                  preloaded: bool = True) -> subprocess.Popen | zygote.ForkedProcess:
-    """``python *args`` started and not waited for (a test that signals or kills it while it runs), stdout to the file
+    """``python *args`` started and not waited for (several at once, or one a test signals while it runs), stdout to the file
     ``log`` and stderr to ``log`` + ``.err``, so no pipe fills up. ``preloaded`` (the default; see :func:`run_python`)
     forks it from tests/zygote.py's server where that is available."""
     out, err = Path(log), Path(f"{log}.err")
@@ -317,19 +317,9 @@ def run_ranks(n: int, args: Callable[[int], Sequence[str | os.PathLike]], *,
     logs = Path(logs or tempfile.mkdtemp(prefix="ranks-"))
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    procs, outs, errs = [], [], []
-    for rank in range(n):
-        out, err = logs / f"rank{rank}.out", logs / f"rank{rank}.err"
-        outs.append(out)
-        errs.append(err)
-        argv = [str(script), "--rank", str(rank), "--world", str(n), "--port", str(port), *map(str, args(rank))]
-        rank_env = xla_env(devices=1, env=env(rank) if env else None)
-        if preloaded and zygote.available():
-            procs.append(zygote.start(argv, env=rank_env, cwd=ROOT, stdout=out, stderr=err))
-            continue
-        with open(out, "w") as fo, open(err, "w") as fe:
-            procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=fo, stderr=fe, text=True,
-                                          env=rank_env))
+    outs = [logs / f"rank{rank}.out" for rank in range(n)]
+    procs = [start_python([script, "--rank", rank, "--world", n, "--port", port, *args(rank)], log=outs[rank],
+                          env=env(rank) if env else None, preloaded=preloaded) for rank in range(n)]
     running = RankProcesses(procs, outs)
     try:
         if kill is not None:
@@ -345,7 +335,8 @@ def run_ranks(n: int, args: Callable[[int], Sequence[str | os.PathLike]], *,
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    return [RankRun(r, p.returncode, outs[r].read_text(), errs[r].read_text()) for r, p in enumerate(procs)]
+    return [RankRun(r, p.returncode, outs[r].read_text(), Path(f"{outs[r]}.err").read_text())
+            for r, p in enumerate(procs)]
 
 
 _NOT_SOURCE = {"build", "dist", "runs", "out", "site"}
