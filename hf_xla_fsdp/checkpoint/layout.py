@@ -247,6 +247,14 @@ class CheckpointSeries:
         found = [self.number(p) for p in self.numbered()]
         return max(found) + 1 if found else 0
 
+    def resume_point(self) -> tuple[Path, int]:
+        """What a resume without a directory takes, the latest complete checkpoint, and the number the next save
+        gets (:meth:`next_number`: never an incomplete directory's); one line when there is nothing to resume from."""
+        latest = self.latest()
+        if latest is None:
+            raise CheckpointError(f"no complete {self.prefix}<i> directory under {self.root} to resume from")
+        return latest, self.next_number()
+
     def to_rotate(self, keep: Optional[int], protect: Any = ()) -> list[Path]:
         """The complete checkpoints to delete so that at most ``keep`` remain (none when ``keep`` is None or < 1).
 

@@ -10,8 +10,6 @@ shard; ``save_state`` / ``load_state`` write and read sharded rank checkpoints; 
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import os
 from pathlib import Path
@@ -27,13 +25,10 @@ from ..engines import is_wrapped, unit_classes
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
 from ..session import AsyncMode, XlaFsdpSession, throughput
-from ..session import optimizers as opt
 from . import patches
 
 upstream.require("accelerate")  # the Accelerator internals overridden below (see hf_xla_fsdp.upstream)
 logger = logging.getLogger(__name__)
-
-_OWN_SAVE = "_hf_xla_fsdp_save_pretrained"
 
 
 class XlaFsdpAccelerator(Accelerator):
@@ -59,7 +54,7 @@ class XlaFsdpAccelerator(Accelerator):
         if own:  # a Trainer's session has its progress setting already
             session.checkpoints.progress = self.is_main_process
         self._xla_fsdp_own_session = own  # a Trainer's accelerator: the Trainer measures throughput itself
-        self._moved_params: dict[int, torch.nn.Parameter] = {}  # id(original parameter) -> its sharded parameter
+        self._xla_fsdp_meter: Optional[throughput.Throughput] = None
 
     @property
     def xla_fsdp_plugin(self) -> XlaFsdpPlugin:
@@ -102,7 +97,7 @@ class XlaFsdpAccelerator(Accelerator):
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """accelerate's ``prepare``; afterwards every prepared optimizer must hold only prepared models' parameters."""
         result = super().prepare(*args, device_placement=device_placement)
-        self.xla_fsdp_session.ready_optimizers(self._models, [o.optimizer for o in self._optimizers], self._moved_params)
+        self.xla_fsdp_session.ready_optimizers(self._models, [o.optimizer for o in self._optimizers])
         return result
 
     def _get_named_parameters(self, *args: Any, drop_refs: bool = False) -> dict[str, Any]:
@@ -118,29 +113,20 @@ class XlaFsdpAccelerator(Accelerator):
         only (:meth:`hf_xla_fsdp.session.XlaFsdpSession.wrap_model`): frozen, no fp32 master copies, stored in the
         compute dtype, and never given to an optimizer (it is not one of the prepared training models).
         """
-        if evaluation_mode:
-            return self._prepare_for_inference(model)
+        prepared = any(m is model for m in self._models)  # Trainer prepares the same model again for eval
+        if evaluation_mode:  # whole, or blocks built for inference: wrapped, or the root added
+            wrapped = prepared or isinstance(model, unit_classes())  # a training model stays what it is
+            return model if wrapped else self.xla_fsdp_session.finish_wrapping(model, evaluation_mode=True)
         if not is_wrapped(model):
-            originals = opt.original_parameters(model)
-            model = self.xla_fsdp_session.wrap_model(model)
-            self._moved_params.update(opt.moved_parameters(originals, model))
-        if not any(m is model for m in self._models):  # Trainer prepares the same model again for eval
+            model = self.xla_fsdp_session.wrap_for_optimizers(model)
+        if not prepared:
             self._models.append(model)
-        sharded = opt.updated_parameter_ids(self._models)
-        for optimizer in self._optimizers:
-            opt.repoint_optimizer(optimizer.optimizer, self._moved_params, sharded)
-        return model
-
-    def _prepare_for_inference(self, model: torch.nn.Module) -> torch.nn.Module:
-        if any(m is model for m in self._models):
-            return model  # a training model prepared again for evaluation stays what it is
-        if not isinstance(model, unit_classes()):  # whole, or blocks built for inference: wrapped, or the root added
-            model = self.xla_fsdp_session.finish_wrapping(model, evaluation_mode=True)
+        self.xla_fsdp_session.repoint_optimizers([o.optimizer for o in self._optimizers], self._models)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
         """accelerate's optimizer wrapper around ``optimizer``, re-pointed at the sharded parameters where known."""
-        opt.repoint_optimizer(optimizer, self._moved_params, opt.updated_parameter_ids(self._models))
+        self.xla_fsdp_session.repoint_optimizers([optimizer], self._models)
         return super().prepare_optimizer(optimizer, device_placement=False)
 
     def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None,
@@ -153,24 +139,18 @@ class XlaFsdpAccelerator(Accelerator):
         return throughput.observe_loader(self.xla_fsdp_session.prepare_loader(loader), self._training_meter)
 
     # ----------------------------------------------------------------- throughput
-    def _throughput_meter(self) -> Optional[throughput.Throughput]:
-        meter = getattr(self, "_xla_fsdp_throughput", None)
-        if meter is None and len(self._models) == 1 and self._xla_fsdp_own_session:
-            meter = self._xla_fsdp_throughput = throughput.Throughput.for_model(
-                self._models[0], self.xla_fsdp_session.transformers_model)
-        return meter
-
     def _training_meter(self) -> Optional[throughput.Throughput]:
+        if self._xla_fsdp_meter is None and len(self._models) == 1 and self._xla_fsdp_own_session:
+            self._xla_fsdp_meter = self.xla_fsdp_session.throughput_meter(self._models[0])
         # an evaluation loop's batches (the model in eval mode) are not training tokens
-        meter = self._throughput_meter()
-        return meter if meter is not None and self._models[0].training else None
+        return self._xla_fsdp_meter if self._xla_fsdp_meter is not None and self._models[0].training else None
 
     def throughput(self) -> dict[str, float]:
         """Tokens per second (global and per device), TFLOP/s per device, MFU where the device's peak is known, and
         the seconds per batch and the host's part of them, over the batches of the prepared data loaders since the
         previous call (:mod:`hf_xla_fsdp.session.throughput`). :meth:`log` adds them to what it logs."""
-        meter = self._throughput_meter()
-        return meter.logs() if meter is not None else {}
+        self._training_meter()  # made on first use
+        return self._xla_fsdp_meter.logs() if self._xla_fsdp_meter is not None else {}
 
     def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
         """accelerate's ``log`` with :meth:`throughput`'s keys added."""
@@ -233,13 +213,8 @@ class XlaFsdpAccelerator(Accelerator):
                 raise ConfigError(f"checkpoint directory {output_dir} already exists; set accelerator.project_configuration"
                                   ".iteration to the iteration to continue from")
         output_dir = Path(output_dir)
-        custom = copy.deepcopy([obj.state_dict() for obj in self._custom_objects])  # as of now, even if written later
         step = self.step if step is None else step
         preempted = self.xla_fsdp_session.preempted
-
-        def add_custom_objects(stage: Path) -> None:
-            for index, state in enumerate(custom):  # accelerate's file names, read back with weights_only=True
-                torch.save(state, stage / f"custom_checkpoint_{index}.pkl")
 
         def published(path: Path) -> None:
             if preempted:
@@ -251,7 +226,7 @@ class XlaFsdpAccelerator(Accelerator):
 
         # SIGTERM: this save is the last one, so it is written before save_state returns
         checkpoints.save(output_dir, self._fsdp_model(), self._optimizer(), self._scheduler(), step=step, extra=extra,
-                         side_files=add_custom_objects, on_published=published,
+                         objects=self._custom_objects, on_published=published,
                          mode=AsyncMode.SYNC if preempted else None)
         if config.automatic_checkpoint_naming:
             config.iteration += 1
@@ -267,18 +242,12 @@ class XlaFsdpAccelerator(Accelerator):
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ConfigError("load_state needs the checkpoint directory to resume from (or automatic checkpoint naming)")
-            series = checkpoints.series(self._checkpoints_dir(), ACCELERATE_PREFIX)
-            input_dir = series.latest()  # the highest complete one: a save killed midway is skipped
-            if input_dir is None:
-                raise ConfigError(f"no complete checkpoint_<i> directory under {self._checkpoints_dir()} to resume from")
-            self.project_configuration.iteration = series.next_number()  # never over an incomplete directory
+            # the highest complete one (a save killed midway is skipped); the next save never over an incomplete one
+            input_dir, self.project_configuration.iteration = checkpoints.series(
+                self._checkpoints_dir(), ACCELERATE_PREFIX).resume_point()
         input_dir = Path(input_dir)
-        info = checkpoints.load(input_dir, self._fsdp_model(), self._optimizer(), self._scheduler())
-        for index, obj in enumerate(self._custom_objects):
-            path = input_dir / f"custom_checkpoint_{index}.pkl"
-            if not path.is_file():
-                raise ConfigError(f"{input_dir} holds no state for registered object {index} ({type(obj).__name__})")
-            obj.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        info = checkpoints.load(input_dir, self._fsdp_model(), self._optimizer(), self._scheduler(),
+                                objects=self._custom_objects)
         self.step = info["step"]
         return info
 
@@ -300,23 +269,11 @@ class XlaFsdpAccelerator(Accelerator):
         that gathers the full weights first, so the usual final save of accelerate scripts writes a
         correct ``from_pretrained``-ready directory.
         """
-        wrapped = is_wrapped(model)
-        inner = self.xla_fsdp_session.unwrap(model) if wrapped else model
-        # (an engine that shards in place, fsdp2, returns the model itself: its parameters are still shards)
-        if wrapped and hasattr(inner, "save_pretrained") and not hasattr(inner, _OWN_SAVE):
-            original = type(inner).save_pretrained
-            inner.save_pretrained = functools.partial(self._save_pretrained, model, inner, original)
-            setattr(inner, _OWN_SAVE, True)
+        if not is_wrapped(model):
+            return model
+        inner = self.xla_fsdp_session.unwrap(model)  # an engine that shards in place (fsdp2): the model, its shards
+        self.xla_fsdp_session.checkpoints.gather_on_save_pretrained(model, inner, lambda: self.step)
         return inner
-
-    def _save_pretrained(self, model: torch.nn.Module, inner: torch.nn.Module, original: Any,
-                         save_directory: Union[str, os.PathLike], *args: Any, is_main_process: bool = True,
-                         state_dict: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any) -> None:
-        """``save_pretrained`` of a sharded model: full weights gathered, written to a staging dir, then moved in."""
-        self.xla_fsdp_session.checkpoints.save_pretrained_through(
-            model, lambda stage, full: original(inner, str(stage), *args, is_main_process=True, state_dict=full,
-                                                **kwargs),
-            save_directory, is_main=is_main_process, step=self.step, state_dict=state_dict)
 
     def save_model(self, model: torch.nn.Module, save_directory: Union[str, os.PathLike],
                    max_shard_size: Union[int, str, None] = None, safe_serialization: bool = True,

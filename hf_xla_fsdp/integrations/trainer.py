@@ -15,70 +15,60 @@ import copy
 import functools
 import inspect
 import logging
-import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .. import upstream
+from ..checkpoint import read_marker
 from ..checkpoint.consolidate import training_record
+from ..checkpoint.layout import TRAINER_PREFIX
 from ..config.training_args import trainer_settings, unfuse_optimizer
 from ..engines import is_wrapped
 from ..errors import ConfigError
 from ..modeling.lazy import lazy_state
 from ..plugin import XlaFsdpPlugin
 from ..process import process_state
-from ..session import PreemptionGuard, XlaFsdpSession
+from ..session import XlaFsdpSession
 from ..session.throughput import Throughput
 from . import patches
-from .trl_hooks import PathModel, is_trl_trainer, model_init_sources, trl_trainer_init
+from .trl_hooks import is_trl_trainer, model_init_sources, trl_trainer_init
 
 upstream.require("trainer")  # the Trainer internals overridden below are there, as this module expects them
 logger = logging.getLogger(__name__)
 
 
-class PreemptionCallback(TrainerCallback):
-    """Once SIGTERM has arrived, the step that ends saves a checkpoint and training stops (``save_on_preemption``)."""
-
-    def __init__(self, guard: PreemptionGuard):
-        self.guard = guard
-        self.step: Optional[int] = None  # the step whose end saw the signal
-
-    def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
-        """At the step boundary after the signal: save, then stop."""
-        if self.guard.received and self.step is None:
-            self.step = state.global_step
-            logger.warning("%s received: saving a checkpoint at step %d, then stopping", self.guard.signal_name,
-                           state.global_step)
-        if self.step is not None:
-            control.should_save = True
-            control.should_training_stop = True
-        return control
-
-
-class ThroughputCallback(TrainerCallback):
-    """Times each optimizer step for the throughput keys every training log gets (:mod:`hf_xla_fsdp.session.throughput`)."""
+class XlaFsdpCallback(TrainerCallback):
+    """The session's part of each optimizer step: the step timed for the throughput keys every training log gets
+    (:mod:`hf_xla_fsdp.session.throughput`) and, once SIGTERM has arrived while ``save_on_preemption`` watches it, a
+    checkpoint saved at the end of that step and training stopped."""
 
     def __init__(self, session: XlaFsdpSession):
         self.session = session
         self.meter: Optional[Throughput] = None
+        self.preempted_at: Optional[int] = None  # the step whose end saw the signal
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
         """The model is wrapped: size its FLOPs, read the devices."""
-        self.meter = Throughput.for_model(model, self.session.transformers_model)
+        self.meter, self.preempted_at = self.session.throughput_meter(model), None
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
         """The host starts tracing a step."""
-        if self.meter is not None:
-            self.meter.step_begin()
+        self.meter.step_begin()
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
-        """The step is traced (the device runs it while the next one is traced)."""
-        if self.meter is not None:
-            self.meter.step_end()
+        """The step is traced (the device runs it while the next one is traced); after SIGTERM: save, then stop."""
+        self.meter.step_end()
+        if self.session.preempted and self.preempted_at is None:
+            self.preempted_at = state.global_step
+            logger.warning("%s received: saving a checkpoint at step %d, then stopping",
+                           self.session.preemption.signal_name, state.global_step)
+        if self.preempted_at is not None:
+            control.should_save = control.should_training_stop = True
+        return control
 
 
 class XlaFsdpTrainerMixin:
@@ -109,31 +99,30 @@ class XlaFsdpTrainerMixin:
         by_path = model is not None and not isinstance(model, nn.Module)
         # TRL's model_init_kwargs dtype is one more settings source when TRL builds the policy (by the one rule)
         extra = model_init_sources(training_args) if trl and by_path else []
-        self.xla_fsdp_session = XlaFsdpSession(trainer_settings(training_args, fsdp_plugin, extra))
-        if not self.xla_fsdp_session.engine.fused_optimizers:
+        session = self.xla_fsdp_session = XlaFsdpSession(trainer_settings(training_args, fsdp_plugin, extra))
+        if not session.engine.fused_optimizers:
             unfuse_optimizer(training_args)
-        self.xla_fsdp_session.checkpoints.progress = not training_args.disable_tqdm
-        self.xla_fsdp_session.step_source = lambda: self.state.global_step  # named when a new graph compiles late
-        self.xla_fsdp_session.setup_runtime(
+        session.checkpoints.progress = not training_args.disable_tqdm
+        session.step_source = lambda: self.state.global_step  # named when a new graph compiles late
+        session.setup_runtime(
             counted_processes=training_args.world_size,
             what=f"TrainingArguments (accelerate's PartialState, {training_args.world_size} process(es) counted)")
-        if trl and by_path:  # TRL builds the policy from the path (TrlModelHooks.create_model_from_path, on meta)
-            self._check_model_source(model)
-            params["model"] = PathModel(model)
-        elif model is not None and params.get("peft_config") is not None and (
-                by_path or lazy_state(model) is not None):
+        if model is not None and not (trl and by_path):  # TRL builds a policy given by path itself (trl_hooks)
             # a peft_config with a model path (or a model loaded lazily): adapters attached on meta, the base read block
             # by block (never whole on the host); the subclass then receives a PeftModel and attaches nothing itself
-            params["model"] = self._materialize(model, training_args, wrap_root=False, peft_config=params["peft_config"])
-            params["peft_config"] = None
-        elif model is not None:
-            params["model"] = self._materialize(model, training_args, wrap_root=False)
-        # the other models a TRL trainer builds by path (reference, reward models) are built by the session too
-        with trl_trainer_init(self, bound, self.xla_fsdp_session, training_args, by_path=by_path) if trl \
+            peft = params.get("peft_config") if by_path or lazy_state(model) is not None else None
+            params["model"] = session.materialize(model, seed=training_args.seed, progress=training_args.should_log,
+                                                  wrap_root=False, peft_config=peft)
+            if peft is not None:
+                params["peft_config"] = None
+        # the models a TRL trainer builds by path (the policy, reference, reward models) are built by the session
+        with trl_trainer_init(self, bound, session, training_args, by_path=by_path) if trl \
                 else contextlib.nullcontext():
             super().__init__(*bound.args, **bound.kwargs)
         if self.model is not None:
-            self.model = self.model_wrapped = self.xla_fsdp_session.finish_wrapping(self.model)
+            self.model = self.model_wrapped = session.finish_wrapping(self.model)
+        self._xla_fsdp_callback = XlaFsdpCallback(session)  # tokens/s, MFU and host time in every training log
+        self.add_callback(self._xla_fsdp_callback)
         if trl:  # GRPO / RLOO: rollouts generate in fixed shapes (integrations/rollout.py)
             from .rollout import install
 
@@ -152,29 +141,21 @@ class XlaFsdpTrainerMixin:
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; with ``save_on_preemption`` (and checkpoints on), SIGTERM saves ``checkpoint-N`` at the
         next step boundary, stops training, logs where it saved and exits the process with code 0."""
-        from ..checkpoint.layout import TRAINER_PREFIX
-
         session = self.xla_fsdp_session
-        if not any(isinstance(c, ThroughputCallback) for c in self.callback_handler.callbacks):
-            self.add_callback(ThroughputCallback(session))  # tokens/s, MFU and host time in every training log
         if kwargs.get("resume_from_checkpoint") is True or (args and args[0] is True):
             # transformers picks the highest checkpoint-N; only a marked one is complete (object storage writes in place)
             latest = session.checkpoints.series(self.args.output_dir, TRAINER_PREFIX).latest()
             if latest is not None:
                 kwargs["resume_from_checkpoint"], args = str(latest), args[1:]
         save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
-        if save_strategy == "no" or not session.watch_preemption():
-            with session.checkpoints.pending_saves_end():
-                return super().train(*args, **kwargs)
-        callback = PreemptionCallback(session.preemption)
-        self.add_callback(callback)
+        watching = save_strategy != "no" and session.watch_preemption()
         try:
             with session.checkpoints.pending_saves_end():
                 result = super().train(*args, **kwargs)
         finally:
-            session.stop_watching_preemption()
-            self.remove_callback(callback)
-        if callback.step is None:
+            if watching:
+                session.stop_watching_preemption()
+        if self._xla_fsdp_callback.preempted_at is None:
             return result
         session.checkpoints.wait()
         saved = getattr(self, "_xla_fsdp_last_checkpoint", None)
@@ -188,19 +169,14 @@ class XlaFsdpTrainerMixin:
         running = getattr(self, "_tr_loss", None)
         if isinstance(running, torch.Tensor):
             self.xla_fsdp_session.like_step_output(running)
-        meter = self._throughput_meter()
-        if meter is not None:
-            meter.batch(inputs, getattr(self.xla_fsdp_session.transformers_model(self.model), "main_input_name", "input_ids"))
+        if self._xla_fsdp_callback.meter is not None:
+            self._xla_fsdp_callback.meter.batch(inputs)
         return super().training_step(model, inputs, *args, **kwargs)
-
-    def _throughput_meter(self) -> Optional[Throughput]:
-        callback = next((c for c in self.callback_handler.callbacks if isinstance(c, ThroughputCallback)), None)
-        return callback.meter if callback is not None else None
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """``Trainer.log``; a training log (one with the running ``loss``) gets the throughput keys of the steps since
         the previous one (:mod:`hf_xla_fsdp.session.throughput`)."""
-        meter = self._throughput_meter()
+        meter = self._xla_fsdp_callback.meter
         if meter is not None and "loss" in logs:
             logs.update(meter.logs())
         super().log(logs, *args, **kwargs)
@@ -226,27 +202,10 @@ class XlaFsdpTrainerMixin:
             self._signature_columns += list({"label", "label_ids", *self.label_names})
 
     # ----------------------------------------------------------------- the model
-    @staticmethod
-    def _check_model_source(model: Any) -> None:
-        if not isinstance(model, (nn.Module, PretrainedConfig, str, os.PathLike)):
-            raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json, a local model directory "
-                              f"or a Hub id in the local cache, not {type(model).__name__}")
-
-    def _materialize(self, model: Any, args: TrainingArguments, wrap_root: bool = True, peft_config: Any = None,
-                     ) -> nn.Module:
-        from transformers import set_seed
-
-        if isinstance(model, nn.Module) and lazy_state(model) is None:
-            return model if is_wrapped(model) or not wrap_root else self.xla_fsdp_session.wrap_model(model)
-        self._check_model_source(model)
-        if not isinstance(model, nn.Module) or peft_config is not None:  # a model loaded lazily is built, not drawn
-            set_seed(args.seed)  # the same initial weights (adapters) as building after set_seed in run_clm (TRL)
-        return self.xla_fsdp_session.build_model(model, progress=args.should_log, wrap_root=wrap_root,
-                                                 peft_config=peft_config)
-
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """``model_init()``'s model (module, config or path), built and wrapped like ``model``."""
-        return self._materialize(super().call_model_init(trial), self.args)
+        return self.xla_fsdp_session.materialize(super().call_model_init(trial), seed=self.args.seed,
+                                                 progress=self.args.should_log)
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         if is_wrapped(model):
@@ -293,8 +252,6 @@ class XlaFsdpTrainerMixin:
         from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_callback import ExportableState
         from transformers.trainer_utils import SaveStrategy
-
-        from ..checkpoint.layout import TRAINER_PREFIX
 
         checkpoints = self.xla_fsdp_session.checkpoints
         checkpoints.wait()  # the previous checkpoint is published before this one is named and rotated
@@ -346,8 +303,6 @@ class XlaFsdpTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[nn.Module] = None) -> None:
         """Check ``resume_from_checkpoint`` is one of our complete checkpoints (loaded after the optimizer exists)."""
-        from ..checkpoint import read_marker
-
         read_marker(Path(resume_from_checkpoint))
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
@@ -446,4 +401,4 @@ def xla_fsdp_trainer(trainer_cls: type) -> type:
 
 patches.patch_training_arguments()  # the one-line swap: TrainingArguments ready the runtime for their settings first
 
-__all__ = ["PreemptionCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "trainer_arguments", "xla_fsdp_trainer"]
+__all__ = ["XlaFsdpCallback", "XlaFsdpTrainer", "XlaFsdpTrainerMixin", "trainer_arguments", "xla_fsdp_trainer"]

@@ -238,8 +238,14 @@ def trl_trainer_init(trainer: Any, bound: Any, session: "XlaFsdpSession", args: 
     """Around a TRL trainer's own ``__init__`` (``trainer``'s, called with ``bound``'s arguments inside): its model
     building goes through :class:`TrlModelHooks`; a ``ref_model`` given by path (or needed only to precompute
     log-probs) is built by :func:`reference_model`, and the latter is dropped once that ``__init__`` has used it.
-    ``by_path``: the policy was given as a path or config (``bound``'s ``model`` is a :class:`PathModel`)."""
+    ``by_path``: the policy was given as a path or config (``bound``'s ``model`` becomes a :class:`PathModel`, which
+    TRL builds the policy from, on meta, through :meth:`TrlModelHooks.create_model_from_path`)."""
+    from ..modeling.meta_init import check_model_source
+
     params = bound.arguments
+    if by_path:
+        check_model_source(params["model"])
+        params["model"] = PathModel(params["model"])
     hooks = TrlModelHooks(session, params["model"] if by_path else None, params.get("peft_config") if by_path else None,
                           seed=args.seed, progress=args.should_log)
     with hooks.installed(type(trainer)):

@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,15 @@ def local_model_dir(name: Any, revision: Optional[str] = None, cache_dir: Any = 
     except Exception:  # not in the cache (LocalEntryNotFoundError), or not a valid id: the caller decides
         return None
     return found / subfolder if subfolder else found
+
+
+def check_model_source(model: Any) -> None:
+    """One line for a model argument that is none of what the library builds from (or a module)."""
+    from transformers import PretrainedConfig
+
+    if not isinstance(model, (nn.Module, PretrainedConfig, ModelSource, str, os.PathLike)):
+        raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json, a local model directory "
+                          f"or a Hub id in the local cache, not {type(model).__name__}")
 
 
 def resolve_source(source: Any) -> ModelSource:

@@ -11,13 +11,14 @@ consolidation, or peft's adapter files for a PEFT model) and the full state dict
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
 import os
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from .session import XlaFsdpSession
 
 PathLike = Union[str, os.PathLike]
+_OBJECT_PREFIX = "custom_checkpoint_"  # accelerate's file names for registered objects' states
+_OWN_SAVE = "_hf_xla_fsdp_save_pretrained"  # marks a model whose save_pretrained gathers first
 
 
 class AsyncMode(enum.Enum):
@@ -62,7 +65,7 @@ class CheckpointManager:
     def save(self, directory: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
              scheduler: Any = None, *, step: int, extra: Optional[dict[str, Any]] = None,
              side_files: Optional[Callable[[Path], None]] = None, on_published: Optional[Callable[[Any], None]] = None,
-             mode: Optional[AsyncMode] = None, adapters: bool = False) -> Union[str, Path]:
+             mode: Optional[AsyncMode] = None, adapters: bool = False, objects: Sequence[Any] = ()) -> Union[str, Path]:
         """A sharded checkpoint of ``model`` (and optimizer, scheduler) in ``directory``, published atomically.
 
         Every process calls it. ``side_files(dir)`` adds files beside the rank files before publication (rank 0);
@@ -73,7 +76,8 @@ class CheckpointManager:
         Trainer's ``checkpoint-N`` (the rank files stay for an exact resume). With ``checkpoint_format
         "sharded+consolidated"`` a PEFT model's consolidated copy is its adapter files, even with ``merge_adapters``
         (which applies to the final save): a merged model beside adapter files would have ``from_pretrained(dir)``
-        apply the adapters a second time.
+        apply the adapters a second time. ``objects``: anything with ``state_dict()`` (accelerate's registered objects),
+        their states taken now and written as ``custom_checkpoint_<i>.pkl``, accelerate's names.
         """
         from ..checkpoint.consolidate import consolidate_into
 
@@ -82,12 +86,15 @@ class CheckpointManager:
         peft = self.is_peft(model)
         consolidated = plugin.checkpoint_format == "sharded+consolidated"
         progress = self.progress and mode is AsyncMode.SYNC
+        states = copy.deepcopy([obj.state_dict() for obj in objects])  # as of now, even if written later
 
         def before_commit(stage: Path) -> None:
             """Rank 0, every rank file marked complete: side files (adapter files, a consolidated copy) join
             before publication."""
             if side_files is not None:
                 side_files(stage)
+            for index, state in enumerate(states):  # read back with weights_only=True
+                torch.save(state, stage / f"{_OBJECT_PREFIX}{index}.pkl")
             if peft and (adapters or consolidated):
                 self._write_peft(stage, stage, progress, merge=False)
             elif consolidated:
@@ -105,9 +112,16 @@ class CheckpointManager:
         save_checkpoint(directory, model, step=step, plugin=self.session.plugin, extra=extra, barrier=self.barrier)
 
     def load(self, directory: PathLike, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-             scheduler: Any = None, *, restore_rng: bool = True) -> dict[str, Any]:
-        """Restore this rank's model shard (optimizer, scheduler, RNG) from ``directory``, any saved world size."""
-        return load_checkpoint(directory, model, optimizer, scheduler, restore_rng=restore_rng)
+             scheduler: Any = None, *, restore_rng: bool = True, objects: Sequence[Any] = ()) -> dict[str, Any]:
+        """Restore this rank's model shard (optimizer, scheduler, RNG) from ``directory``, any saved world size, and
+        the states of ``objects`` (as :meth:`save` wrote them)."""
+        info = load_checkpoint(directory, model, optimizer, scheduler, restore_rng=restore_rng)
+        for index, obj in enumerate(objects):
+            path = Path(directory) / f"{_OBJECT_PREFIX}{index}.pkl"
+            if not path.is_file():
+                raise ConfigError(f"{directory} holds no state for registered object {index} ({type(obj).__name__})")
+            obj.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return info
 
     @staticmethod
     def restore_rng(directory: PathLike, model: nn.Module) -> None:
@@ -270,6 +284,24 @@ class CheckpointManager:
             self.staged_directory(save_directory, lambda stage: write(stage, state_dict))
         if self.barrier is not None:
             self.barrier("hf_xla_fsdp.save_pretrained.done")
+
+    def gather_on_save_pretrained(self, model: nn.Module, inner: nn.Module, step: Callable[[], int]) -> None:
+        """``inner.save_pretrained`` (``inner``: the transformers model inside the wrapped ``model``, its parameters
+        shards) replaced, on this instance only, by :meth:`save_pretrained_through` with the class's own method, so an
+        accelerate script's usual final save writes a correct ``from_pretrained``-ready directory."""
+        if not hasattr(inner, "save_pretrained") or getattr(inner, _OWN_SAVE, False):
+            return
+        original = type(inner).save_pretrained
+
+        def save_pretrained(save_directory: PathLike, *args: Any, is_main_process: bool = True,
+                            state_dict: Optional[dict[str, torch.Tensor]] = None, **kwargs: Any) -> None:
+            self.save_pretrained_through(
+                model, lambda stage, full: original(inner, str(stage), *args, is_main_process=True, state_dict=full,
+                                                    **kwargs),
+                save_directory, is_main=is_main_process, step=step(), state_dict=state_dict)
+
+        inner.save_pretrained = save_pretrained
+        setattr(inner, _OWN_SAVE, True)
 
     @staticmethod
     def staged_directory(save_directory: PathLike, write: Callable[[Path], None]) -> None:

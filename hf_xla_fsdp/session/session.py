@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from ..plugin import XlaFsdpPlugin
+    from .throughput import Throughput
 
 
 class XlaFsdpSession:
@@ -58,6 +59,7 @@ class XlaFsdpSession:
         #: the training step now (set by an entry point that counts steps), named when a new graph compiles late
         self.step_source: Optional[Callable[[], Optional[int]]] = None
         self._pad_errors: list = []  # refusals of the padding collators (loader threads), raised in the training thread
+        self._moved: dict[int, Any] = {}  # id(original parameter) -> the sharded parameter holding it now
 
     def __repr__(self) -> str:
         return f"XlaFsdpSession({self.engine.title}, sharding={self.plugin.sharding!r})"
@@ -146,6 +148,23 @@ class XlaFsdpSession:
         finally:
             if peft_config is None:  # loading draws nothing at wrap time eagerly; adapters draw now, as peft would
                 torch.set_rng_state(state)
+
+    def materialize(self, model: Any, *, seed: int, progress: bool = True, wrap_root: bool = True,
+                    peft_config: Any = None) -> nn.Module:
+        """A trainer's ``model`` argument as a model: a module as it is (wrapped unless it is already or ``wrap_root``
+        is False), any other source (:meth:`build_model`'s, a model loaded lazily included) built after seeding with
+        ``seed``, so fresh weights and adapters are those of building after ``set_seed`` (run_clm, TRL)."""
+        from transformers import set_seed
+
+        from ..modeling.lazy import lazy_state
+        from ..modeling.meta_init import check_model_source
+
+        if isinstance(model, nn.Module) and lazy_state(model) is None:
+            return model if is_wrapped(model) or not wrap_root else self.wrap_model(model)
+        check_model_source(model)
+        if not isinstance(model, nn.Module) or peft_config is not None:  # a model loaded lazily is built, not drawn
+            set_seed(seed)
+        return self.build_model(model, progress=progress, wrap_root=wrap_root, peft_config=peft_config)
 
     def wrap_model(self, model: nn.Module, *, evaluation_mode: bool = False) -> nn.Module:
         """Nested (zero3) or root-only (zero2) XLA FSDP wrapping of an eager ``model`` (or of one loaded lazily).
@@ -273,17 +292,35 @@ class XlaFsdpSession:
         self.create_optimizer_state(optimizer)
         return optimizer
 
-    def ready_optimizers(self, models: list, optimizers: list, moved: dict[int, Any]) -> None:
+    def wrap_for_optimizers(self, model: nn.Module) -> nn.Module:
+        """:meth:`wrap_model` for a model whose optimizers may have been built before it was wrapped (accelerate's
+        ``prepare`` in any order): which shard now holds each original parameter is kept for :meth:`repoint_optimizers`."""
+        from .optimizers import moved_parameters, original_parameters
+
+        originals = original_parameters(model)
+        wrapped = self.wrap_model(model)
+        self._moved.update(moved_parameters(originals, wrapped))
+        return wrapped
+
+    def repoint_optimizers(self, optimizers: list, models: list) -> list[list[nn.Parameter]]:
+        """``optimizers`` built before their models were wrapped, pointed at the shards of the wrapped ``models`` that
+        hold their parameters now (the parameters of a model not yet wrapped stay until it is). Returns, for each
+        optimizer, the parameters it holds of no wrapped model."""
+        from .optimizers import repoint_optimizer, updated_parameter_ids
+
+        sharded = updated_parameter_ids(models)
+        return [repoint_optimizer(optimizer, self._moved, sharded) for optimizer in optimizers]
+
+    def ready_optimizers(self, models: list, optimizers: list) -> None:
         """Optimizers built before their models were wrapped (accelerate's ``prepare`` of any order): re-pointed at
-        the sharded parameters (``moved``: id of an original parameter -> its sharded one), checked to hold prepared
-        models' parameters only, readied by the engine (e.g. fp32 master copies), their state created."""
-        from .optimizers import check_optimizer_parameters, repoint_optimizer, updated_parameter_ids
+        the sharded parameters (:meth:`repoint_optimizers`), checked to hold the wrapped ``models``' parameters only,
+        readied by the engine (e.g. fp32 master copies), their state created."""
+        from .optimizers import check_optimizer_parameters
 
         if not models:
             return
-        sharded = updated_parameter_ids(models)
-        for optimizer in optimizers:
-            check_optimizer_parameters(repoint_optimizer(optimizer, moved, sharded))
+        for unknown in self.repoint_optimizers(optimizers, models):
+            check_optimizer_parameters(unknown)
         for model in models:  # e.g. FSDP v2 with compute_dtype: the optimizer updates fp32 master copies
             for optimizer in optimizers:
                 self.engine.prepare_optimizer(model, optimizer)
@@ -353,6 +390,13 @@ class XlaFsdpSession:
     def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
         """Wrapped parameter name -> the user's names of every parameter it holds."""
         return self.engine.parameter_origins(model)
+
+    def throughput_meter(self, model: nn.Module) -> "Throughput":
+        """A new throughput meter of the wrapped ``model`` (:mod:`.throughput`): its FLOPs sized from its config, its
+        main input named, the devices read."""
+        from .throughput import Throughput
+
+        return Throughput.for_model(model, self.transformers_model)
 
     # ----------------------------------------------------------------- preemption
     @property

@@ -106,8 +106,9 @@ class Throughput:
     """Counts one process's batches and step times; :meth:`logs` gives the keys above for the steps since its last call."""
 
     def __init__(self, flops: Optional[ModelFlops], *, devices: int, processes: int, kind: str,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, main_input: str = "input_ids") -> None:
         self.flops, self.devices, self.processes, self.kind = flops, max(1, devices), max(1, processes), kind
+        self.main_input = main_input  # the batch key whose tokens are counted (the model's main_input_name)
         generation = generation_for_device_kind(kind)
         self.peak = generation.peak_bf16_flops if generation is not None else None
         self._clock = clock
@@ -127,6 +128,7 @@ class Throughput:
 
         inner = unwrap(model)
         flops = None
+        main_input = getattr(inner, "main_input_name", "input_ids")
         config = getattr(inner, "config", None)
         if config is not None:
             # the shards of trained and frozen parameters are cut alike, so their ratio is the whole model's
@@ -144,7 +146,7 @@ class Throughput:
             import torch.distributed as dist
 
             devices = processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return cls(flops, devices=devices, processes=processes, kind=device_kind())
+        return cls(flops, devices=devices, processes=processes, kind=device_kind(), main_input=main_input)
 
     def _reset(self) -> None:
         self._tokens = 0
@@ -156,9 +158,9 @@ class Throughput:
         self._begin_waits = (0, 0.0)
 
     # ----------------------------------------------------------------- what the training loop reports
-    def batch(self, inputs: Any, main_input: str = "input_ids") -> None:
+    def batch(self, inputs: Any) -> None:
         """One (micro-)batch trained on."""
-        counted = tokens_of(inputs, main_input)
+        counted = tokens_of(inputs, self.main_input)
         if counted is not None:
             tokens, seq = counted
             self._tokens += tokens
