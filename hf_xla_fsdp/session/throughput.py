@@ -106,9 +106,9 @@ class Throughput:
     """Counts one process's batches and step times; :meth:`logs` gives the keys above for the steps since its last call."""
 
     def __init__(self, flops: Optional[ModelFlops], *, devices: int, processes: int, kind: str,
-                 clock: Callable[[], float] = time.perf_counter, main_input: str = "input_ids") -> None:
+                 clock: Callable[[], float] = time.perf_counter, main_input: Optional[str] = "input_ids") -> None:
         self.flops, self.devices, self.processes, self.kind = flops, max(1, devices), max(1, processes), kind
-        self.main_input = main_input  # the batch key whose tokens are counted (the model's main_input_name)
+        self.main_input = main_input  # the batch key whose tokens are counted (None: a model without tokens)
         generation = generation_for_device_kind(kind)
         self.peak = generation.peak_bf16_flops if generation is not None else None
         self._clock = clock
@@ -128,7 +128,8 @@ class Throughput:
 
         inner = unwrap(model)
         flops = None
-        main_input = getattr(inner, "main_input_name", "input_ids")
+        # tokens are what a text model takes (input_ids); an image or audio model's main input holds no tokens
+        main_input = "input_ids" if getattr(inner, "main_input_name", "input_ids") == "input_ids" else None
         config = getattr(inner, "config", None)
         if config is not None:
             # the shards of trained and frozen parameters are cut alike, so their ratio is the whole model's
@@ -160,7 +161,7 @@ class Throughput:
     # ----------------------------------------------------------------- what the training loop reports
     def batch(self, inputs: Any) -> None:
         """One (micro-)batch trained on."""
-        counted = tokens_of(inputs, self.main_input)
+        counted = tokens_of(inputs, self.main_input) if self.main_input is not None else None
         if counted is not None:
             tokens, seq = counted
             self._tokens += tokens

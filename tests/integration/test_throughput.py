@@ -100,6 +100,23 @@ def test_on_xla_cpu_mfu_is_left_out_with_the_reason(caplog):
     assert logs["tokens_per_second"] == 16 and "tflops_per_second_per_device" in logs and "mfu_percent" not in logs
 
 
+def test_a_meter_counts_the_tokens_of_a_text_model_and_none_of_an_image_model():
+    from transformers import LlamaForCausalLM, ViTConfig, ViTForImageClassification
+
+    text = Throughput.for_model(LlamaForCausalLM(tiny_llama()), lambda m: m)
+    vit = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                              intermediate_size=64, image_size=16, patch_size=8))
+    image = Throughput.for_model(vit, lambda m: m)
+    assert vit.main_input_name == "pixel_values"
+    for meter, batch in ((text, {"input_ids": torch.zeros(2, 8, dtype=torch.long)}),
+                         (image, {"pixel_values": torch.zeros(2, 3, 16, 16), "input_ids": torch.zeros(2, 8)})):
+        meter.batch(batch)
+        meter.step_begin()
+        meter.step_end()
+    # pixels are not tokens, and an image model's batch has none even when a collator adds another key
+    assert text._tokens == 16 and image._tokens == 0
+
+
 def test_a_device_read_inside_a_step_is_counted_and_its_wait_is_not_host_time():
     import torch_xla
 
