@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from helpers import ROOT, TESTS, build_ranks, fake_adam_state, save_ranks, start
 from helpers import consolidate as xla_consolidate
 
 from hf_xla_fsdp.checkpoint import load_checkpoint, staging_dir
+from hf_xla_fsdp.checkpoint.layout import CheckpointSeries
 from hf_xla_fsdp.checkpoint.readers import COMPLETE_MARKER, CheckpointError, open_checkpoint
 
 pytestmark = pytest.mark.xla  # needs torch_xla (skipped where it is not installed: tests/conftest.py)
@@ -156,8 +158,13 @@ def test_sigkill_during_save_never_leaves_a_complete_looking_checkpoint(tmp_path
         for f in ranks.files:
             for name in f.names():
                 f.get(name)
-    # the killed saves left only hidden staging directories, which nothing loads
+    # the killed saves left only hidden staging directories, which no resume looks at: each is incomplete, or (a kill
+    # after its marker was written, before its rename) complete under a staging name the series never counts
+    series = CheckpointSeries(root)
+    assert series.complete() == sorted(visible, key=series.number)
     for hidden in (p for p in root.iterdir() if p.name.startswith(".")):
-        with pytest.raises(CheckpointError):
-            open_checkpoint(hidden)
+        assert re.fullmatch(r"\.checkpoint-\d+\.partial", hidden.name) and series.number(hidden) is None, hidden.name
+        if not (hidden / COMPLETE_MARKER).exists():
+            with pytest.raises(CheckpointError):
+                open_checkpoint(hidden)
     assert staging_dir(root / "checkpoint-0").name == ".checkpoint-0.partial"
