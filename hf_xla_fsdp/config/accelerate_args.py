@@ -1,5 +1,6 @@
 """Settings of an ``XlaFsdpAccelerator``: its ``fsdp_plugin`` and ``mixed_precision`` arguments, the launch's settings
-or the accelerate YAML, and ``ACCELERATE_MIXED_PRECISION``, resolved by the one conflict rule."""
+or the accelerate YAML, and ``ACCELERATE_MIXED_PRECISION``, resolved by the one conflict rule; and the one variable of
+``accelerate launch`` that must not apply (``ACCELERATE_USE_FSDP``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ from . import resolve as r
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
+
+
+def accelerate_fsdp_off() -> None:
+    """``ACCELERATE_USE_FSDP`` (exported by ``accelerate launch`` with ``distributed_type: FSDP``, e.g. for engine
+    fsdp2) turned off for this process: an ``XlaFsdpAccelerator``'s session shards the models, and accelerate's own
+    FSDP would shard them a second time."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() in ("1", "true", "yes"):
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
 
 
 def accelerator_settings(fsdp_plugin: Optional["XlaFsdpPlugin"], mixed_precision: Any) -> "XlaFsdpPlugin":

@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from .. import runtime, upstream
 from ..checkpoint.layout import ACCELERATE_PREFIX
-from ..config.accelerate_args import accelerator_settings
+from ..config.accelerate_args import accelerate_fsdp_off, accelerator_settings
 from ..engines import is_wrapped, unit_classes
 from ..errors import ConfigError
 from ..plugin import XlaFsdpPlugin
@@ -41,10 +41,7 @@ class XlaFsdpAccelerator(Accelerator):
             session = XlaFsdpSession(accelerator_settings(fsdp_plugin, kwargs.get("mixed_precision")))
         # mixed precision is the engine's compute dtype; accelerate's autocast stays off (it breaks SDPA on XLA)
         kwargs["mixed_precision"] = "no"
-        # the session's engine shards the models: accelerate's own FSDP (ACCELERATE_USE_FSDP from `accelerate launch`
-        # with distributed_type FSDP, e.g. for engine fsdp2) would shard them a second time
-        if os.environ.get("ACCELERATE_USE_FSDP", "").strip().lower() in ("1", "true", "yes"):
-            os.environ["ACCELERATE_USE_FSDP"] = "false"
+        accelerate_fsdp_off()  # the session's engine shards the models, accelerate's own FSDP would shard them again
         session.setup_runtime()  # before accelerate's state looks at the devices (FSDP v2: one process, every device)
         super().__init__(*args, **kwargs)
         patches.patch_gather_object(runtime.all_gather_objects)  # upstream raises NotImplementedError on XLA
@@ -171,12 +168,9 @@ class XlaFsdpAccelerator(Accelerator):
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
         """Clip over the whole model: the norm spans the shards of every rank (see :func:`hf_xla_fsdp.train.clip_grad_norm`)."""
-        params = [id(p) for p in parameters]
-        for model in self._models:
-            if params == [id(p) for p in model.parameters()]:
-                self.gradient_state.is_xla_gradients_synced = True
-                return self.xla_fsdp_session.clip_grad_norm(model, max_norm, norm_type)
-        raise ConfigError("clip_grad_norm_ on an XLA FSDP model needs the prepared model's model.parameters()")
+        model = self.xla_fsdp_session.model_of(parameters, self._models, "clip_grad_norm_")
+        self.gradient_state.is_xla_gradients_synced = True
+        return self.xla_fsdp_session.clip_grad_norm(model, max_norm, norm_type)
 
     # ----------------------------------------------------------------- checkpoints
     def _optimizer(self) -> Optional[torch.optim.Optimizer]:

@@ -43,12 +43,14 @@ logger = logging.getLogger(__name__)
 
 class XlaFsdpCallback(TrainerCallback):
     """The session's part of each optimizer step: the step timed for the throughput keys every training log gets
-    (:mod:`hf_xla_fsdp.session.throughput`) and, once SIGTERM has arrived while ``save_on_preemption`` watches it, a
-    checkpoint saved at the end of that step and training stopped."""
+    (:mod:`hf_xla_fsdp.session.throughput`) and, once SIGTERM has arrived during a ``train()`` that watches it
+    (``save_on_preemption``, checkpoints on), a checkpoint saved at the end of that step and training stopped. The
+    trainer puts it last among its callbacks at each ``train()``, so its save-and-stop is a step's final word."""
 
     def __init__(self, session: XlaFsdpSession):
         self.session = session
         self.meter: Optional[Throughput] = None
+        self.watching = False  # set by train(): SIGTERM is watched during it
         self.preempted_at: Optional[int] = None  # the step whose end saw the signal
 
     def on_train_begin(self, args: TrainingArguments, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -57,12 +59,14 @@ class XlaFsdpCallback(TrainerCallback):
 
     def on_step_begin(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
         """The host starts tracing a step."""
-        self.meter.step_begin()
+        if self.meter is not None:
+            self.meter.step_begin()
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> Any:
         """The step is traced (the device runs it while the next one is traced); after SIGTERM: save, then stop."""
-        self.meter.step_end()
-        if self.session.preempted and self.preempted_at is None:
+        if self.meter is not None:
+            self.meter.step_end()
+        if self.watching and self.session.preempted and self.preempted_at is None:
             self.preempted_at = state.global_step
             logger.warning("%s received: saving a checkpoint at step %d, then stopping",
                            self.session.preemption.signal_name, state.global_step)
@@ -115,14 +119,13 @@ class XlaFsdpTrainerMixin:
                                                   wrap_root=False, peft_config=peft)
             if peft is not None:
                 params["peft_config"] = None
+        self._xla_fsdp_callback = XlaFsdpCallback(session)  # tokens/s, MFU and host time in every training log
         # the models a TRL trainer builds by path (the policy, reference, reward models) are built by the session
         with trl_trainer_init(self, bound, session, training_args, by_path=by_path) if trl \
                 else contextlib.nullcontext():
             super().__init__(*bound.args, **bound.kwargs)
         if self.model is not None:
             self.model = self.model_wrapped = session.finish_wrapping(self.model)
-        self._xla_fsdp_callback = XlaFsdpCallback(session)  # tokens/s, MFU and host time in every training log
-        self.add_callback(self._xla_fsdp_callback)
         if trl:  # GRPO / RLOO: rollouts generate in fixed shapes (integrations/rollout.py)
             from .rollout import install
 
@@ -147,15 +150,18 @@ class XlaFsdpTrainerMixin:
             latest = session.checkpoints.series(self.args.output_dir, TRAINER_PREFIX).latest()
             if latest is not None:
                 kwargs["resume_from_checkpoint"], args = str(latest), args[1:]
+        callback = self._xla_fsdp_callback
+        self.pop_callback(callback)  # last in line (see XlaFsdpCallback)
+        self.add_callback(callback)
         save_strategy = str(getattr(self.args.save_strategy, "value", self.args.save_strategy))
-        watching = save_strategy != "no" and session.watch_preemption()
+        callback.watching = save_strategy != "no" and session.watch_preemption()
         try:
             with session.checkpoints.pending_saves_end():
                 result = super().train(*args, **kwargs)
         finally:
-            if watching:
+            if callback.watching:
                 session.stop_watching_preemption()
-        if self._xla_fsdp_callback.preempted_at is None:
+        if callback.preempted_at is None:
             return result
         session.checkpoints.wait()
         saved = getattr(self, "_xla_fsdp_last_checkpoint", None)

@@ -115,7 +115,7 @@ def check_model_source(model: Any) -> None:
     """One line for a model argument that is none of what the library builds from (or a module)."""
     from transformers import PretrainedConfig
 
-    if not isinstance(model, (nn.Module, PretrainedConfig, ModelSource, str, os.PathLike)):
+    if not isinstance(model, (nn.Module, PretrainedConfig, str, os.PathLike)):
         raise ConfigError(f"model must be an nn.Module, a PretrainedConfig, a config.json, a local model directory "
                           f"or a Hub id in the local cache, not {type(model).__name__}")
 

@@ -152,8 +152,9 @@ class XlaFsdpSession:
     def materialize(self, model: Any, *, seed: int, progress: bool = True, wrap_root: bool = True,
                     peft_config: Any = None) -> nn.Module:
         """A trainer's ``model`` argument as a model: a module as it is (wrapped unless it is already or ``wrap_root``
-        is False), any other source (:meth:`build_model`'s, a model loaded lazily included) built after seeding with
-        ``seed``, so fresh weights and adapters are those of building after ``set_seed`` (run_clm, TRL)."""
+        is False); any other source (:meth:`build_model`'s) built after seeding with ``seed``, so fresh weights and
+        adapters are those of building after ``set_seed`` (run_clm, TRL); a model loaded lazily built from its weight
+        files, seeded only for its adapters (``peft_config``), since loading draws nothing."""
         from transformers import set_seed
 
         from ..modeling.lazy import lazy_state
@@ -362,6 +363,16 @@ class XlaFsdpSession:
         """``tensor`` held whole by every device, for a read on the host that compiles nothing the second time
         (see the engines' ``whole``)."""
         return self.engine.whole(tensor, self.plugin)
+
+    @staticmethod
+    def model_of(parameters: Any, models: list, what: str) -> nn.Module:
+        """The wrapped model of ``models`` whose ``parameters()`` these are, all of them in order (FSDP clips, and
+        gathers, a whole model at a time); one line naming ``what`` was called otherwise."""
+        ids = [id(p) for p in parameters]
+        for model in models:
+            if ids == [id(p) for p in model.parameters()]:
+                return model
+        raise ConfigError(f"{what} on an XLA FSDP model needs the prepared model's model.parameters()")
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients over every shard of every rank; returns the total norm."""

@@ -77,3 +77,29 @@ def test_a_changed_upstream_api_is_one_line(monkeypatch):
     monkeypatch.setattr(upstream, "_checked", set())
     with pytest.raises(ConfigError, match=r"(and 1 more)"):
         upstream.require("trainer")
+
+
+@pytest.mark.xla
+def test_the_trainer_callback_saves_and_stops_on_sigterm_only_during_a_train_that_watches():
+    import os
+    import signal
+
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from hf_xla_fsdp.integrations.trainer import XlaFsdpCallback
+    from hf_xla_fsdp.session import XlaFsdpSession
+
+    session = XlaFsdpSession(XlaFsdpPlugin())
+    assert session.watch_preemption()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # recorded, e.g. while a script read accelerator.preempted
+    finally:
+        session.stop_watching_preemption()
+    assert session.preempted
+    callback, args = XlaFsdpCallback(session), TrainingArguments(output_dir="unused", report_to=[])
+    control = callback.on_step_end(args, TrainerState(global_step=3), TrainerControl())
+    # a train() that does not watch (save_strategy "no", or a later train()) trains on
+    assert not control.should_save and not control.should_training_stop and callback.preempted_at is None
+    callback.watching = True
+    control = callback.on_step_end(args, TrainerState(global_step=3), TrainerControl())
+    assert control.should_save and control.should_training_stop and callback.preempted_at == 3
