@@ -403,8 +403,8 @@ class XlaFsdpSession:
         return self.engine.parameter_origins(model)
 
     def throughput_meter(self, model: nn.Module) -> "Throughput":
-        """A new throughput meter of the wrapped ``model`` (:mod:`.throughput`): its FLOPs sized from its config, its
-        main input named, the devices read."""
+        """A new throughput meter of the wrapped ``model`` (:mod:`.throughput`): its FLOPs sized from its config, the
+        batch key holding its tokens named (none for an image or audio model), the devices read."""
         from .throughput import Throughput
 
         return Throughput.for_model(model, self.transformers_model)
