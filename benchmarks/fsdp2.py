@@ -152,13 +152,14 @@ def child_trainer(model_dir: str, model: dict, steps: int, batch: int, seq: int,
 
     world = int(os.environ["WORLD_SIZE"])
     ids = _data(model, batch * world * steps, seq)
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=batch, max_steps=steps,
-                             learning_rate=1e-4, logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True,
-                             disable_tqdm=True, dataloader_drop_last=True, fsdp_config={"engine": "fsdp2"},
-                             average_tokens_across_devices=False)  # the loop's loss: each process's mean
-    trainer = XlaFsdpTrainer(model=model_dir, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
-                             callbacks=[Clock()])
-    trainer.train()
+    with tempfile.TemporaryDirectory(prefix="fsdp2-bench-") as out:  # save_strategy 'no': nothing to keep
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=steps,
+                                 learning_rate=1e-4, logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True,
+                                 disable_tqdm=True, dataloader_drop_last=True, fsdp_config={"engine": "fsdp2"},
+                                 average_tokens_across_devices=False)  # the loop's loss: each process's mean
+        trainer = XlaFsdpTrainer(model=model_dir, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
+                                 callbacks=[Clock()])
+        trainer.train()
     intervals = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
     if dist.get_rank() == 0:
         emit({"path": "trainer", "median_step_seconds": statistics.median(intervals), "steps_timed": len(intervals)})

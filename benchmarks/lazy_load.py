@@ -90,7 +90,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024, help="hidden size of the Llama (default: 1024)")
     p.add_argument("--layers", type=int, default=16, help="decoder layers (default: 16; ~790 MiB in fp32 with 1024)")
     p.add_argument("--steps", type=int, default=3, help="training steps per path (default: 3)")
-    p.add_argument("--workdir", default=None, help="where the model is saved (default: a temporary folder)")
+    p.add_argument("--workdir", default=None, help="where the model is saved and kept (default: a temporary folder, removed)")
     p.add_argument("--child", choices=PATHS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -100,7 +100,15 @@ def main() -> None:
         return
     if args.smoke:
         args.hidden, args.layers, args.steps = 64, 2, 2
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="lazy_load_"))
+    if args.workdir:
+        measure(args, Path(args.workdir))
+    else:  # the model is ~790 MiB at the default size: none of it stays behind
+        with tempfile.TemporaryDirectory(prefix="lazy_load_") as work:
+            measure(args, Path(work))
+
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    """Save the model under ``work``, train it along each path in its own child and print the JSON report."""
     directory = work / "model"
     made = run_json_child(["-c", f"import sys, json; sys.path.insert(0, {str(HERE.parent)!r}); import lazy_load; "
                                  f"print(json.dumps(lazy_load.make_model(__import__('pathlib').Path({str(directory)!r}), "

@@ -27,6 +27,18 @@ FAST_XLA_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_ex
 _flags = os.environ.get("XLA_FLAGS", "").split()
 _optimized = os.environ.get("HF_XLA_FSDP_TEST_OPTIMIZED_XLA", "") not in ("", "0")
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in FAST_XLA_COMPILE if f not in _flags and not _optimized])
+# One temporary folder for the whole run, inherited by the xdist workers and every process a test starts: what
+# lands in the system's temporary folder (torchrun's torchelastic_* logs, the spool of a rank a test SIGKILLs, the
+# rank logs and fork servers of tests/helpers.py, pytest's own tmp_path) goes there, and the run that made it removes
+# it when every test passed (a failed run keeps it and names it, for a look). CI runs on a machine later sessions get
+# back: a suite that left ~200 MB a run behind would fill its disk.
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+_TMP_OWNER = "HF_XLA_FSDP_TEST_TMP" not in os.environ
+if _TMP_OWNER:
+    os.environ["HF_XLA_FSDP_TEST_TMP"] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="hf_xla_fsdp-tests-")
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 import importlib.util  # noqa: E402
 
@@ -52,6 +64,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "xla" in item.keywords:
             item.add_marker(skip)
+
+
+def _passed(exitstatus: int) -> bool:
+    return exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The run's temporary folder (above) goes when the run that made it passed; a failed one keeps it."""
+    if _TMP_OWNER and _passed(exitstatus):
+        shutil.rmtree(os.environ["HF_XLA_FSDP_TEST_TMP"], ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
+    """Where a failed run's temporary files are, for a look."""
+    if _TMP_OWNER and not _passed(exitstatus):
+        terminalreporter.write_sep("-", f"temporary files of this run kept in {os.environ['HF_XLA_FSDP_TEST_TMP']}")
 
 
 @pytest.fixture
