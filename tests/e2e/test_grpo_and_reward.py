@@ -84,9 +84,36 @@ GRPO_VARIANTS = {  # engine, devices, extra flags
     # LoRA on 4 devices, TRL's default bf16 and beta=0 (no reference at all)
     "v2-lora": (XLA_V2, 4, ["--use_peft", "--beta", "0.0", "--bf16", "true"]),
 }
+# counted from the end of the step before (tests/scripts/user/grpo.py), v2 compiles 71, 6, 1, 0, 0, 0: step 2's
+# forward (up to TRL's first accelerator.reduce) and backward/optimizer graphs compile again; the count from
+# on_step_begin had missed the update's compile at the next batch fetch (issue 46 item 5)
+V2_RECOMPILES = pytest.mark.xfail(strict=True, reason="issue 46 item 5: v2 compiles graphs in steps 2 and 3")
 
 
-@pytest.mark.parametrize("variant", sorted(GRPO_VARIANTS))
+# A new user's run: TRL 1.16's GRPOConfig defaults (per-device batch 8, num_generations 8, bf16, beta 0, lr 1e-6,
+# logging every 10 steps, gradient checkpointing) with LoRA on v2 over 4 devices, 4 steps; one change,
+# max_completion_length 8 (the default 512 did not finish step 1's rollout in 14 min on 4 XLA:CPU devices)
+TRL_DEFAULTS = [*XLA_V2, "--use_peft", "--max_steps", "4", "--max_completion_length", "8", "--report_to", "none",
+                "--save_strategy", "no", "--disable_tqdm", "true"]
+
+
+@V2_RECOMPILES
+def test_grpo_trl_defaults_on_v2_compile_no_graph_after_step_two(llama, tmp_path_factory):
+    """TRL's defaults as a user starts from them (TRL_DEFAULTS): no step after the second compiles anything, counted
+    from the end of the step before (a step's optimizer update compiles at the next batch fetch, between steps)."""
+    out = tmp_path_factory.mktemp("grpo-trl-defaults") / "out"
+    res = run_python([USER_SCRIPTS / "grpo.py", "--model_name_or_path", llama, "--output_dir", out, *TRL_DEFAULTS,
+                      "--record_dir", str(out)], devices=4, env={"USE_HF_XLA_FSDP": "1"}, timeout=1500,
+                     preloaded=True)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-5000:]
+    results = json.loads((out / "results.json").read_text())
+    compiles, graphs = results["compiles"], results["graphs"]
+    assert len(compiles) == 4 and compiles[0] > 0, compiles
+    assert compiles[2:] == [0, 0], (compiles, graphs)
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=V2_RECOMPILES) if v.startswith("v2") else v
+                                     for v in sorted(GRPO_VARIANTS)])
 def test_grpo_six_steps_compile_no_graph_after_step_two(llama, tmp_path_factory, variant):
     """GRPO with a Python reward function, rollouts by model.generate on the sharded policy (static KV cache, prompts
     left-padded to a bucket, completions to max_completion_length): every step after the second compiles nothing

@@ -33,12 +33,13 @@ class CompilesPerStep(TrainerCallback):
     """Test instrumentation, per step: everything XLA compiled (torch_xla's CompileTime metric) and the graphs of the
     computation among it (the UncachedCompile counter: graphs not found in the graph cache). The two differ by the
     small programs torch_xla compiles, uncached, whenever an SPMD-sharded tensor is read to the host
-    (ReplicateShardedData)."""
+    (ReplicateShardedData). A step's count runs from the end of the step before: a step's optimizer update runs
+    (and compiles) at the next sync, when the Trainer fetches the next batch, between two steps' callbacks."""
 
     def __init__(self) -> None:
         self.per_step: list[int] = []
         self.graphs: list[int] = []
-        self.seen = (0, 0)
+        self.seen: tuple[int, int] | None = None
 
     @staticmethod
     def count() -> tuple[int, int]:
@@ -48,7 +49,8 @@ class CompilesPerStep(TrainerCallback):
         return int(data[0]) if data else 0, int(met.counter_value("UncachedCompile") or 0)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.seen = self.count()
+        if self.seen is None:
+            self.seen = self.count()
         if os.environ.get("GRPO_MARK_STEPS"):
             print(f"=== step {state.global_step + 1}", file=sys.stderr, flush=True)
 
@@ -56,6 +58,7 @@ class CompilesPerStep(TrainerCallback):
         now = self.count()
         self.per_step.append(now[0] - self.seen[0])
         self.graphs.append(now[1] - self.seen[1])
+        self.seen = now
 
 
 @dataclass
