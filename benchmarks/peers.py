@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -170,7 +171,8 @@ def child_loop(model_dir: str, model: dict, steps: int, batch: int, seq: int, wa
     mesh = init_device_mesh("cpu", (world,))
     net = AutoModelForCausalLM.from_pretrained(model_dir)
     for i, layer in enumerate(net.model.layers):
-        block = torch.compile(checkpoint_wrapper(layer, preserve_rng_state=False))  # AC, then compile (torchtitan)
+        # AC, then compile (torchtitan: the checkpointed block, fullgraph), then fully_shard
+        block = torch.compile(checkpoint_wrapper(layer, preserve_rng_state=False), fullgraph=True)
         fully_shard(block, mesh=mesh)
         net.model.layers[i] = block
     fully_shard(net, mesh=mesh)
@@ -198,9 +200,8 @@ def child_loop(model_dir: str, model: dict, steps: int, batch: int, seq: int, wa
 def child(paths: list[str], model_dir: str, model: dict, steps: int, batch: int, seq: int, warmup: int) -> None:
     """Run ``paths`` one after the other in this rank (one path per launch but in ``--smoke``); rank 0 prints
     ``{"runs": {path: report}}``."""
-    from accelerate.state import AcceleratorState
-
     import torch.distributed as dist
+    from accelerate.state import AcceleratorState
 
     runs = {}
     for path in paths:
@@ -214,6 +215,15 @@ def child(paths: list[str], model_dir: str, model: dict, steps: int, batch: int,
 
 
 # --------------------------------------------------------------------------- the parent
+def root_error(message: str) -> str:
+    """The first exception line a rank printed (torchrun's own summary after it says only 'ChildFailedError')."""
+    for line in message.splitlines():
+        m = re.match(r"^\[rank\d+\]:\s+((?:\w+\.)*\w*(?:Error|Exception)\b.*)$", line)
+        if m:
+            return m.group(1)
+    return message[-1500:]
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(a / b, 3)
 
@@ -310,13 +320,19 @@ def main() -> None:
                 out = run_json_child(torchrun(2, "--child", ",".join(group), *common), name=",".join(group),
                                      env={**FSDP2_ENV, **cache})
             except SystemExit as exc:  # a path that cannot run here is a finding: its error goes in the report
-                failures.update({x: str(exc)[-1500:] for x in group})
+                failures.update({x: root_error(str(exc)) for x in group})
                 continue
             for path, run in out["runs"].items():
                 runs[path] = {**run, "launch_seconds": round(time.perf_counter() - start, 1)}
     report = {"smoke": args.smoke, "processes": 2, "model": model, "steps": args.steps, "warmup": args.warmup,
               "batch_per_process": args.batch, "seq_len": args.seq, **summarize(runs, failures)}
     emit(report)
+    if args.smoke:  # the suite runs it: every path must run and agree (a failed path or loss is a regression)
+        bad = {x: v.get("error") or v.get("loss_vs_ours_eager") for x, v in report["paths"].items()
+               if (not v["available"] and not v["error"].startswith("not ")) or
+               (v["available"] and not v.get("loss_vs_ours_eager", {"equal": False})["equal"])}
+        if bad:
+            raise SystemExit(f"peers --smoke: paths failed or their losses differ from ours_eager: {bad}")
 
 
 if __name__ == "__main__":
