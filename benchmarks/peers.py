@@ -184,7 +184,8 @@ def child_loop(model_dir: str, model: dict, steps: int, batch: int, seq: int, wa
     net.train()
     for step in range(steps):
         rows = ids[(step * world + rank) * batch:(step * world + rank + 1) * batch]
-        loss = net(input_ids=rows, labels=rows).loss
+        # no KV cache in training (a fullgraph block cannot mutate the DynamicCache it would create; torchtitan has none)
+        loss = net(input_ids=rows, labels=rows, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         optimizer.step()
