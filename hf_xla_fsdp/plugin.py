@@ -7,7 +7,8 @@ it is accepted under (``aliases``), whether it is an ``XlaFullyShardedDataParall
 it (``engines``) and which values an engine refuses (``refused``). The accepted keys, the aliases,
 the type checks and the "allowed keys" of error messages are all derived from these descriptions,
 so a new setting is one field. The plugin holds settings only: it imports no engine (the session
-resolves the engine from ``version``; :meth:`build` and :meth:`wrap` hand over to a session).
+resolves the engine from ``version``); :meth:`build`, :meth:`wrap` and :meth:`prepare_optimizer` are forwards to
+:class:`~hf_xla_fsdp.session.XlaFsdpSession`, which does the work.
 """
 
 from __future__ import annotations
@@ -390,18 +391,23 @@ class XlaFsdpPlugin:
         if distributed not in allowed:
             raise ConfigError(f"distributed_type={distributed!r} in {source}: {why}")
 
-    # ------------------------------------------------------------------ actions (a session does the work)
+    # ------------------------------------------------------------------ actions: forwards to a session
+    # The session does the work; these three are the plugin's only imports of a layer above it (inside the methods,
+    # so importing the plugin imports no session; tests/unit/test_package.py allows them and nothing else). They stay,
+    # without a DeprecationWarning: they are the documented spelling of a hand-written loop (docs/index.md, the
+    # examples, the benchmarks) and cost nothing; a warning would only break `-W error` runs.
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``model`` (eager, on CPU or XLA) with nested XLA FSDP per this plugin."""
+        """Wrap ``model`` (eager, on CPU or XLA) with nested FSDP per this plugin: a forward to
+        ``XlaFsdpSession(plugin).wrap_model(model)`` (:meth:`hf_xla_fsdp.session.XlaFsdpSession.wrap_model`), a
+        short-lived session of its own; keep one session to build, wrap and save with the same runtime."""
         from .session import XlaFsdpSession
 
         return XlaFsdpSession(self).wrap_model(model)
 
     def build(self, config_or_pretrained_dir: Union["PretrainedConfig", str, os.PathLike], **kwargs: Any) -> torch.nn.Module:
-        """Construct the model on ``meta`` and materialize, wrap and shard it block by block.
-
-        See :meth:`hf_xla_fsdp.session.XlaFsdpSession.build_model` for the keyword arguments.
-        """
+        """Construct the model on ``meta`` and materialize, wrap and shard it block by block: a forward to
+        ``XlaFsdpSession(plugin).build_model(...)``; see :meth:`hf_xla_fsdp.session.XlaFsdpSession.build_model` for
+        the keyword arguments."""
         from .session import XlaFsdpSession
 
         return XlaFsdpSession(self).build_model(config_or_pretrained_dir, **kwargs)
@@ -411,7 +417,8 @@ class XlaFsdpPlugin:
         """Ready ``optimizer`` (built from the wrapped ``model``'s parameters) for the engine; returns it.
 
         Needed only in a hand-written loop: accelerate's ``prepare`` and the Trainer call it. With FSDP v2
-        and ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters.
+        and ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters. A forward to
+        :func:`hf_xla_fsdp.session.prepare_optimizer` (``XlaFsdpSession.prepare_optimizer`` in a session).
         """
         from .session import prepare_optimizer
 
