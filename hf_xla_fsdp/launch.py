@@ -13,7 +13,10 @@ the settings are read and checked (:func:`hf_xla_fsdp.config.resolve.launch_sour
 (:func:`hf_xla_fsdp.integrations.launched.start`); on a pod every host checks that the others run the same script,
 arguments, settings and package versions. When the session says the engine runs one process per device (FSDP v1,
 :meth:`hf_xla_fsdp.session.XlaFsdpSession.processes_per_host`), ``--num_processes`` (or a YAML that gives it) starts
-the processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
+the processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device; engine fsdp2 starts
+them as torchrun does, on several machines with accelerate's ``--num_machines``, ``--machine_rank``,
+``--main_process_ip`` and ``--main_process_port`` (torchrun's static rendezvous; ``--num_processes`` then counts every
+machine's), which the XLA engines refuse.
 
 Bad input (a script that does not exist, conflicting settings, a v2 config once the script used the XLA device
 without SPMD, a host that differs) is one line on stderr and exit code 2, before any work.

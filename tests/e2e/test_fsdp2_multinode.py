@@ -85,6 +85,7 @@ def test_two_machines_equal_one_resume_on_one_and_a_lost_machine_stops_every_pro
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     out0 = logs[0].read_text()
+    print(f"machine 0 ended {took:.1f} s after the kill, code {code}")
 
     # every process of machine 0 ended: a lost machine is a temporary failure (75, sysexits' EX_TEMPFAIL), within the
     # watch's 10 s plus its 1 s polling, torchrun's stop of the other process and the exit; 60 s leaves room for a
@@ -123,6 +124,8 @@ def test_two_machines_equal_one_resume_on_one_and_a_lost_machine_stops_every_pro
     # reduce-scatter over 2 and an all-reduce over 2 against a reduce-scatter over 4): 1e-5 on losses near 4.8
     # leaves ~20x the difference measured (see docs/fsdp2.md)
     two_by_two = losses(multi, "adamw_torch")
+    print("2x2 vs 1x4, largest loss difference:", max(abs(two_by_two[k] - v) for k, v in losses(single,
+                                                                                         "adamw_torch").items()))
     assert two_by_two == pytest.approx(losses(single, "adamw_torch"), abs=1e-5)
 
     # the 2x2 checkpoint resumed on one machine, 2 processes of 4 rows and 4 of 2: steps 3-6 as the run that went on
@@ -132,4 +135,5 @@ def test_two_machines_equal_one_resume_on_one_and_a_lost_machine_stops_every_pro
                            rows, "--resume", ckpt])
         assert run.returncode == 0, run.stderr[-6000:]
         after = losses(out, "adamw_torch")
+        print(f"resumed on 1x{n}, largest loss difference:", max(abs(after[k] - two_by_two[k]) for k in "3456"))
         assert [after[k] for k in "3456"] == pytest.approx([two_by_two[k] for k in "3456"], abs=1e-5), n

@@ -45,8 +45,8 @@ def test_torchrun_is_told_what_accelerate_would_tell_it():
       '{"xla": true, "xla_fsdp_v2": true}'], "--num_machines 2, --main_process_ip h: FSDP v2"),
     (["--main_process_port", "1234", "--fsdp_config", '{"xla": true}'], "does not start processes across machines"),
 ])
-def test_bad_machine_flags_are_one_line_before_any_work(args, expected, capsys):
-    assert launch_main([*args, SCRIPT, "--model", "nowhere", "--output_dir", "nowhere"]) == 2
+def test_bad_machine_flags_are_one_line_before_any_work(args, expected, capsys, tmp_path):
+    assert launch_main([*args, SCRIPT, "--model", str(tmp_path / "no_model"), "--output_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hf-xla-fsdp launch: error: ") and expected in err[0], err
 
