@@ -41,9 +41,11 @@ def test_torchrun_is_told_what_accelerate_would_tell_it():
      "num_processes=3 does not divide among num_machines=2"),
     (["--num_machines", "2", "--main_process_ip", "h", "--main_process_port", "70000", "--num_processes", "4", *FSDP2],
      "main_process_port=70000: give a TCP port"),
-    (["--num_machines", "2", "--main_process_ip", "h", "--num_processes", "2", "--fsdp_config",
-      '{"xla": true, "xla_fsdp_v2": true}'], "--num_machines 2, --main_process_ip h: FSDP v2"),
-    (["--main_process_port", "1234", "--fsdp_config", '{"xla": true}'], "does not start processes across machines"),
+    pytest.param(["--num_machines", "2", "--main_process_ip", "h", "--num_processes", "2", "--fsdp_config",
+                  '{"xla": true, "xla_fsdp_v2": true}'], "--num_machines 2, --main_process_ip h: FSDP v2",
+                 marks=pytest.mark.xla),
+    pytest.param(["--main_process_port", "1234", "--fsdp_config", '{"xla": true}'],
+                 "does not start processes across machines", marks=pytest.mark.xla),
 ])
 def test_bad_machine_flags_are_one_line_before_any_work(args, expected, capsys, tmp_path):
     assert launch_main([*args, SCRIPT, "--model", str(tmp_path / "no_model"), "--output_dir", str(tmp_path)]) == 2
@@ -51,6 +53,7 @@ def test_bad_machine_flags_are_one_line_before_any_work(args, expected, capsys, 
     assert len(err) == 1 and err[0].startswith("hf-xla-fsdp launch: error: ") and expected in err[0], err
 
 
+@pytest.mark.xla  # the YAML selects engine xla
 def test_a_yamls_machine_keys_count_as_accelerates(tmp_path, capsys):
     yaml = tmp_path / "multi.yaml"
     yaml.write_text("distributed_type: XLA\nnum_machines: 2\nmachine_rank: 1\nmain_process_ip: 10.0.0.1\n"
@@ -120,3 +123,25 @@ def test_a_store_that_stops_answering_names_machine_0(store):
     assert verdict is not None and "machine 0 of 2 (host " in verdict and f"store at 127.0.0.1:{port}" in verdict
     assert second.codes == [EXIT_NODE_LOST]
     first.die()
+
+
+def test_flags_in_either_spelling_and_the_yamls_keys_give_the_machines(tmp_path):
+    import argparse
+
+    from hf_xla_fsdp.launch import add_arguments, machines_of
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    dashed = parser.parse_args(["--num-machines", "2", "--machine-rank", "1", "--main-process-ip", "10.0.0.1",
+                                "--main-process-port", "1234", "t.py"])
+    got = machines_of(dashed, {})
+    assert (got.count, got.rank, got.main_ip, got.main_port) == (2, 1, "10.0.0.1", 1234)
+    yaml = {"num_machines": 2, "machine_rank": 1, "main_process_ip": "10.0.0.2", "main_process_port": 29400}
+    got = machines_of(parser.parse_args(["t.py"]), yaml)
+    assert (got.count, got.rank, got.main_ip, got.main_port) == (2, 1, "10.0.0.2", 29400)
+    # the command line wins over the YAML, as for num_processes
+    got = machines_of(parser.parse_args(["--machine_rank", "0", "t.py"]), yaml)
+    assert (got.count, got.rank) == (2, 0)
+    # what accelerate config writes for one machine changes nothing
+    got = machines_of(parser.parse_args(["t.py"]), {"num_machines": 1, "machine_rank": 0})
+    assert got == Machines()
