@@ -179,8 +179,8 @@ class XlaFsdpPlugin:
                                     "fsdp2; remove it (compile=true compiles each block once for all layers)")})
     compile: bool = setting(
         False, "engine fsdp2: torch.compile each wrapped block (after its activation checkpointing, before fully_shard, "
-               "as torchtitan does; parameter names unchanged), with inductor on CPU/CUDA (automatic dynamic shapes: a "
-               "new sequence length compiles once more, then no more) and TorchTPU's 'tpu' backend on TPUs (static "
+               "as torchtitan does; parameter names unchanged), with inductor on CPU/CUDA (automatic dynamic shapes: the "
+               "first change of sequence length compiles once more, later lengths nothing) and TorchTPU's 'tpu' backend on TPUs (static "
                "shapes). Off by default: it costs start-up, measured on the CPU only (see docs/fsdp2.md); the Trainer "
                "logs graphs_compiled per logging window",
         engines=("fsdp2",),
