@@ -181,8 +181,8 @@ class XlaFsdpPlugin:
         False, "engine fsdp2: torch.compile each wrapped block (after its activation checkpointing, before fully_shard, "
                "as torchtitan does; parameter names unchanged), with inductor on CPU/CUDA (automatic dynamic shapes: the "
                "first change of sequence length compiles once more, later lengths nothing) and TorchTPU's 'tpu' "
-               "backend on TPUs (static shapes). Off by default: it costs start-up, measured on the CPU only (see docs/fsdp2.md); the Trainer "
-               "logs graphs_compiled per logging window",
+               "backend on TPUs (static shapes). Off by default: it costs start-up, measured on the CPU only (see "
+               "docs/fsdp2.md); the Trainer logs graphs_compiled per logging window",
         engines=("fsdp2",),
         refused={v: ((True,), "the XLA engines compile every step into XLA graphs already (torch_xla traces them); "
                               "remove compile, or use engine='fsdp2'") for v in XLA_ENGINES})
