@@ -36,7 +36,7 @@ from ..checkpoint.readers import LAYOUT_PIECES, merge_pieces, open_listed, read_
 from ..checkpoint.safetensors_io import dtype_name
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
-from .base import Engine, host_copy
+from .base import Engine, Machines, host_copy
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -377,6 +377,15 @@ def _read_local(entry: dict[str, Any], like: torch.Tensor) -> torch.Tensor:
     return read_rows_of_pieces(entry, *rows)
 
 
+def torchrun_placement(count: int, machines: Optional[Machines] = None) -> list[str]:
+    """torchrun's arguments that place ``count`` processes on this machine of ``machines``."""
+    if machines is None or (machines.count == 1 and machines.main_port is None):
+        return ["--standalone", f"--nproc_per_node={count}"]
+    port = machines.main_port or 29500  # torchrun's default, accelerate's
+    return [f"--nnodes={machines.count}", f"--node_rank={machines.rank}", "--rdzv_backend=static",
+            f"--master_addr={machines.main_ip or '127.0.0.1'}", f"--master_port={port}", f"--nproc_per_node={count}"]
+
+
 class Fsdp2(Engine):
     """torch's FSDP2 (``fully_shard``) over a ``(fsdp,)`` or ``(replica, fsdp)`` DeviceMesh, one process per device."""
 
@@ -410,8 +419,12 @@ class Fsdp2(Engine):
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
+        from .nodes import die_with_launcher, watch_machines
+
         _refuse_xla_runtime(what)
+        die_with_launcher()  # before the rendezvous, which waits for every machine
         get_mesh(plugin)  # the process group, the device, and the mesh, before any model exists
+        watch_machines()  # several machines: a lost one stops every process with one line naming it
         if current_device_type() == "cpu":
             # accelerate counts CPU processes (MULTI_CPU: every process its own batches) only when told it runs on
             # the CPU; its state is built later (by TrainingArguments or the Accelerator) and reads this
@@ -451,20 +464,32 @@ class Fsdp2(Engine):
         # one of the processes torchrun (or this launcher through it) started runs the script; it starts none
         return None if self.started_by_launcher() else super().processes_per_host(requested)
 
-    def start_processes(self, count: int, launcher_arguments: list[str]) -> Optional[int]:
-        """``count`` processes on this host as ``torchrun --standalone --nproc_per_node count`` starts them, each
-        ``python -m hf_xla_fsdp.launch`` with the same settings (several hosts: run torchrun with ``-m
-        hf_xla_fsdp.launch`` on each, as for any torch.distributed job). transformers and accelerate are told to leave
-        torch_xla alone (``USE_TORCH_XLA=0``) where it is installed; on a TPU VM TorchTPU's launch environment is set
-        first (its ``set_tpu_launch_env``: the slice's addresses and topology, decided in this process)."""
+    def check_machines(self, machines: Machines) -> None:
+        flags = [g for g in machines.given if g.startswith("--")]  # a YAML's keys serve the outer launcher
+        if self.started_by_launcher() and flags:
+            raise ConfigError(f"{', '.join(flags)}: this process was started by torchrun (or accelerate launch), which "
+                              "placed it on its machine already; give the machine flags to one launcher only")
+
+    def start_processes(self, count: int, launcher_arguments: list[str],
+                        machines: Optional[Machines] = None) -> Optional[int]:
+        """``count`` processes on this host as torchrun starts them, each ``python -m hf_xla_fsdp.launch`` with the
+        same settings: ``torchrun --standalone --nproc_per_node count`` on one machine; on several, ``torchrun --nnodes
+        N --node_rank R --master_addr IP --master_port PORT --nproc_per_node count`` (the static rendezvous, as
+        accelerate starts it: ranks numbered machine by machine, ``R * count`` to ``R * count + count - 1`` here).
+        transformers and accelerate are told to leave torch_xla alone (``USE_TORCH_XLA=0``) where it is installed; on a
+        TPU VM TorchTPU's launch environment is set first (its ``set_tpu_launch_env``: the slice's addresses and
+        topology, decided in this process). The processes die with this one (:func:`.nodes.die_with_launcher`)."""
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import get_args_parser, run
 
+        from .nodes import ENV_LAUNCHER_PID
+
         os.environ.setdefault("USE_TORCH_XLA", "0")
+        os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
         tpu = getattr(getattr(torch, "tpu", None), "distributed", None)
         if tpu is not None and hasattr(tpu, "set_tpu_launch_env"):
             tpu.set_tpu_launch_env(nproc_per_node=count)
-        args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={count}", "-m", "hf_xla_fsdp.launch",
+        args = get_args_parser().parse_args([*torchrun_placement(count, machines), "-m", "hf_xla_fsdp.launch",
                                              *launcher_arguments])
         try:
             run(args)
