@@ -176,12 +176,21 @@ class XlaFsdpPlugin:
                "differ (e.g. alternating sliding-window attention) are refused (see docs/compile-time.md)",
         refused={1: ((True,), "FSDP v1 gathers each block's flat shard in the block's own forward/backward hooks, "
                               "which cannot run inside a scanned loop body; use version=2 (FSDP v2, SPMD)"),
-                 "fsdp2": ((True,), "scan_layers is torch_xla's scan (one compiled layer); engine fsdp2 runs eagerly "
-                                    "and has nothing to compile; remove it")})
+                 "fsdp2": ((True,), "scan_layers is torch_xla's scan (one compiled layer), not available on engine "
+                                    "fsdp2; remove it (compile=true compiles each block once for all layers)")})
+    compile: bool = setting(
+        False, "engine fsdp2: torch.compile each wrapped block (after its activation checkpointing, before fully_shard, "
+               "as torchtitan does; parameter names unchanged), with inductor on CPU/CUDA (automatic dynamic shapes: the "
+               "first change of sequence length compiles once more, later lengths nothing) and TorchTPU's 'tpu' "
+               "backend on TPUs (static shapes). Off by default: it costs start-up, measured on the CPU only (see "
+               "docs/fsdp2.md); the Trainer logs graphs_compiled per logging window",
+        engines=("fsdp2",),
+        refused={v: ((True,), "the XLA engines compile every step into XLA graphs already (torch_xla traces them); "
+                              "remove compile, or use engine='fsdp2'") for v in XLA_ENGINES})
     pad_to_buckets: Union[bool, int, list[int]] = setting(
         True, "XlaFsdpTrainer and XlaFsdpAccelerator's data loaders pad each batch's sequence length up to a few "
-              "bucket lengths so varied text compiles a bounded number of graphs (XLA engines; fsdp2 compiles no graphs "
-              "and never pads): true = powers of two from 64 up to "
+              "bucket lengths so varied text compiles a bounded number of graphs (XLA engines; fsdp2 never pads: "
+              "with compile, inductor handles new lengths with dynamic shapes): true = powers of two from 64 up to "
               "the model's longest sequence; an int = multiples of it; a list = those lengths; false = off. "
               "input_ids get the pad token (else eos, else 0: hidden by the mask), labels -100, attention masks 0, "
               "on the tokenizer's padding side")

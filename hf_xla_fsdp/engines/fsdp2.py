@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import sys
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -98,6 +99,20 @@ def resolve_device() -> tuple[str, str]:
                           + (f" (from ${ENV_DEVICE})" if forced else "") + "; install the package that provides it "
                           "(TorchTPU for tpu) or set " + ENV_DEVICE + "=cpu") from None
     return device_type, str(backend)
+
+
+def compile_options(device_type: Optional[str] = None) -> dict[str, Any]:
+    """``torch.compile``'s ``backend`` and ``dynamic`` for blocks on ``device_type`` (this process's by default),
+    decided beside :func:`resolve_device` and nowhere else.
+
+    TorchTPU's own backend ``tpu`` with static shapes on TPUs (its only mode: a graph with symbolic sizes is refused);
+    elsewhere inductor with automatic dynamic shapes (``dynamic=None``): a block compiles for the first shapes it sees,
+    and when a size changes once more with that dimension symbolic, so varied sequence lengths cost two graphs, not one
+    per length, and no batch is padded.
+    """
+    if (device_type or current_device_type()) == "tpu":
+        return {"backend": "tpu", "dynamic": False}
+    return {"backend": "inductor", "dynamic": None}
 
 
 def _local_rank() -> int:
@@ -301,15 +316,38 @@ def shard_module(module: nn.Module, plugin: "XlaFsdpPlugin", reshard_after_forwa
 def _checkpointed(block: nn.Module) -> nn.Module:
     """Recompute ``block``'s activations in backward (``torch.utils.checkpoint``, non-reentrant) without renaming its
     parameters (a ``checkpoint_wrapper`` would put ``_checkpoint_wrapped_module.`` into every name)."""
+    if "forward" not in block.__dict__:
+        # one function for every block, bound to each: torch.compile then traces one code object whose block is an
+        # input, so one graph serves every layer (a closure over each block's own forward is guarded by its identity:
+        # a graph per layer, and past torch._dynamo's recompile limit of 8 the other layers silently run eagerly)
+        block.forward = types.MethodType(_recomputed_forward, block)
+        return block
     from torch.utils.checkpoint import checkpoint
 
-    forward = block.forward
+    forward = block.forward  # an instance's own forward (set by someone else): kept, recomputed
 
     @functools.wraps(forward)
     def recomputed(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     block.forward = recomputed
+    return block
+
+
+def _recomputed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``block``'s class forward under ``torch.utils.checkpoint`` (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def _compiled(block: nn.Module) -> nn.Module:
+    """``block``'s forward (its activation checkpointing included) compiled in place, so its parameter names stay
+    (``torch.compile(block)`` would put ``_orig_mod.`` into every name). Only the forward: the FSDP hooks that
+    ``fully_shard`` adds around it (all-gather, reshard) stay eager, as in torchtitan, where each compiled block is
+    sharded. ``fullgraph``: a decoder layer is one graph (a break would mean a silent eager fallback in the middle of
+    every layer); every block runs the same code, so one compiled graph serves all layers of a model."""
+    block.forward = torch.compile(block.forward, fullgraph=True, **compile_options())
     return block
 
 
@@ -478,7 +516,11 @@ class Fsdp2(Engine):
             return self._for_inference(tag(shard_module(block, plugin, reshard_after_forward=True), self), plugin)
         # zero2 keeps every block a unit too, with its gathered parameters kept from forward to backward (FSDP2's
         # ZeRO-2); zero3 frees them after each block's forward unless reshard_after_forward is off
+        # torchtitan's order: activation checkpointing, then compile (the recomputation inside the compiled graph),
+        # then fully_shard (its hooks around the compiled forward)
         block = self.checkpoint_block(block, plugin)
+        if plugin.compile:
+            block = _compiled(block)
         return tag(shard_module(block, plugin, reshard_after_forward=nested and plugin.reshard_after_forward), self)
 
     def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin", *, evaluation_mode: bool = False) -> nn.Module:
