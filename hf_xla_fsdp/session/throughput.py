@@ -15,7 +15,9 @@ Keys (each over the steps since the previous logging step):
   spent waiting for device values it read (torch_xla's ``TransferFromDeviceTime``) and compiling
   (``CompileTime``); ``device_reads_per_step``: how many device values the step's own code read. Each such read
   makes the host wait for the device before it can trace on (transformers 5.23's causal-mask shortcuts read one
-  per forward on XLA).
+  per forward on XLA);
+* ``graphs_compiled``: graphs compiled in the window (:func:`graphs_compiled`: torch.compile's on engine fsdp2 with
+  ``compile``, torch_xla's on the XLA engines): a fixed-shape run logs 0 after its first steps.
 
 The device runs a step's graph while the host traces the next one, so a step takes about the longer of the two.
 When the host's part reaches 90 % of the step, the device waits for the host: one warning line says so (the fix is
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 #: the host's share of a step from which the run counts as host-bound
 HOST_BOUND = 0.9
 KEYS = ("tokens_per_second", "tokens_per_second_per_device", "tflops_per_second_per_device", "mfu_percent",
-        "step_seconds", "host_seconds_per_step", "device_reads_per_step")
+        "step_seconds", "host_seconds_per_step", "device_reads_per_step", "graphs_compiled")
 
 
 def device_kind() -> str:
@@ -130,6 +132,23 @@ def _waits() -> tuple[int, float]:
             ((reads[1] if reads else 0) + (compiles[1] if compiles else 0)) / 1e9)
 
 
+def graphs_compiled() -> int:
+    """Graphs compiled in this process so far (a host counter): torch.compile's (``torch._dynamo``'s unique graphs,
+    engine fsdp2 with ``compile``) plus torch_xla's (its ``CompileTime`` count, the XLA engines). A fixed-shape run
+    stops adding to it after its first steps; a rise later is a recompile. Nothing is imported here: a runtime not yet
+    loaded has compiled nothing."""
+    count = 0
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is not None:
+        count += int(utils.counters["stats"]["unique_graphs"])
+    if "torch_xla" in sys.modules:
+        import torch_xla.debug.metrics as met
+
+        compiles = met.metric_data("CompileTime")
+        count += int(compiles[0]) if compiles else 0
+    return count
+
+
 def _round(value: float) -> float:
     return float(f"{value:.6g}")
 
@@ -209,6 +228,7 @@ class Throughput:
         self._idle_ends = 0
         self._begin: Optional[float] = None
         self._begin_waits = (0, 0.0)
+        self._graphs = graphs_compiled()
 
     # ----------------------------------------------------------------- what the training loop reports
     def batch(self, inputs: Any) -> None:
@@ -248,6 +268,7 @@ class Throughput:
         host = self._host / self._steps
         out["host_seconds_per_step"] = _round(host)
         out["device_reads_per_step"] = _round(self._reads / self._steps)
+        out["graphs_compiled"] = graphs_compiled() - self._graphs  # in this logging window (0 once warmed up)
         if self.traced and host >= HOST_BOUND * seconds / self._steps and not self._warned:
             self._warned = True
             logger.warning("host-bound: tracing a step takes %.3f s of the %.3f s a step takes, so the devices wait "
@@ -305,4 +326,5 @@ def observe_loader(loader: Any, meter: Callable[[], Optional[Throughput]]) -> An
     return loader
 
 
-__all__ = ["HOST_BOUND", "KEYS", "Throughput", "device_kind", "observe_loader", "queue_idle_probe", "tokens_of"]
+__all__ = ["HOST_BOUND", "KEYS", "Throughput", "device_kind", "graphs_compiled", "observe_loader", "queue_idle_probe",
+           "tokens_of"]
