@@ -34,7 +34,7 @@ eager paths agree to ``EAGER_RTOL``, compiled ones to ``COMPILED_RTOL`` (both sa
 run: ours_compiled / loop_compiled (target <= 1.05), ours_compiled / ours_eager, ours_compiled / stock (target < 1),
 and model-ready VmHWM ours / stock (target < 1). The machine is shared: quote ratios, not absolute times.
 
-``--smoke``: the 2-layer-per-process tiny model, 4 steps, the paths all in ONE torchrun launch run one after the
+``--smoke``: benchmarks/fsdp2.py's tiny 4-layer model, 4 steps, the paths all in ONE torchrun launch run one after the
 other in the same two processes (4 fresh launches of 2 processes each cost ~60 s of imports on the CI's 2 cores); its
 RSS figures then mean nothing (the processes' peaks carry over), nor do any of its figures.
 """
