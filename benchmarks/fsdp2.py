@@ -13,11 +13,14 @@ with an explicit sharding group in one process (what rank 0 of N builds). Target
 step: a small Llama trained for ``--steps`` optimizer steps on 2 processes (torchrun) by ``XlaFsdpTrainer`` with
 ``fsdp_config={"engine": "fsdp2"}``, and by a hand-written loop of plain torch (``fully_shard`` per decoder layer
 and the root, fused AdamW, ``clip_grad_norm_`` 1.0, the same per-process batches); the median step time after
-``--warmup`` steps, same run. Target: Trainer / loop <= 1.05. The machine is shared: ratios, not absolute times.
+``--warmup`` steps, same run. Target: Trainer / loop <= 1.05. The same Trainer with ``"compile": true``
+(each block compiled, inductor's cache empty): its median step against eager, and both start-ups (from making the
+Trainer to the end of step 1: the build, and the compilation). The machine is shared: ratios, not absolute times.
 Like with like: the loop's loss is each process's mean, so the Trainer runs with ``average_tokens_across_devices=False``
 (transformers' default, True, weights the loss by the tokens of every process: one more collective per step, which
 measured 1.108 against 1.008 on a quiet machine; RESULTS.md).
-``--smoke``: tiny models and a few steps (checks that it runs, not the figures).
+``--smoke``: tiny models and a few steps, no compiled run (checks that it runs, not the figures; the compiled path
+has its test, tests/e2e/test_fsdp2_trainer.py).
 """
 
 from __future__ import annotations
@@ -136,8 +139,12 @@ def _data(model: dict, rows: int, seq: int) -> list[list[int]]:
     return torch.randint(0, model["vocab_size"], (rows, seq), generator=g).tolist()
 
 
-def child_trainer(model_dir: str, model: dict, steps: int, batch: int, seq: int, warmup: int) -> None:
-    """XlaFsdpTrainer on engine fsdp2; rank 0 reports the median on_step_end interval after the warm-up."""
+def child_trainer(model_dir: str, model: dict, steps: int, batch: int, seq: int, warmup: int,
+                  compiled: bool = False) -> None:
+    """XlaFsdpTrainer on engine fsdp2 (``compiled``: ``"compile": true``); rank 0 reports the median on_step_end
+    interval after the warm-up, and the start-up: from before the Trainer is made to the end of step 1 (the build,
+    and with compile the first step's compilation)."""
+    begin = time.perf_counter()
     import torch.distributed as dist
     from datasets import Dataset
     from transformers import TrainerCallback, TrainingArguments
@@ -155,14 +162,16 @@ def child_trainer(model_dir: str, model: dict, steps: int, batch: int, seq: int,
     with tempfile.TemporaryDirectory(prefix="fsdp2-bench-") as out:  # save_strategy 'no': nothing to keep
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=steps,
                                  learning_rate=1e-4, logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True,
-                                 disable_tqdm=True, dataloader_drop_last=True, fsdp_config={"engine": "fsdp2"},
+                                 disable_tqdm=True, dataloader_drop_last=True,
+                                 fsdp_config={"engine": "fsdp2", "compile": compiled},
                                  average_tokens_across_devices=False)  # the loop's loss: each process's mean
         trainer = XlaFsdpTrainer(model=model_dir, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
                                  callbacks=[Clock()])
         trainer.train()
     intervals = [b - a for a, b in zip(ends[warmup:], ends[warmup + 1:])]
     if dist.get_rank() == 0:
-        emit({"path": "trainer", "median_step_seconds": statistics.median(intervals), "steps_timed": len(intervals)})
+        emit({"path": "trainer-compiled" if compiled else "trainer", "median_step_seconds": statistics.median(intervals),
+              "steps_timed": len(intervals), "startup_seconds": ends[0] - begin})
 
 
 def child_loop(model_dir: str, model: dict, steps: int, batch: int, seq: int, warmup: int) -> None:
@@ -196,7 +205,7 @@ def child_loop(model_dir: str, model: dict, steps: int, batch: int, seq: int, wa
         emit({"path": "loop", "median_step_seconds": statistics.median(intervals), "steps_timed": len(intervals)})
 
 
-def step_time(model: dict, steps: int, warmup: int, batch: int, seq: int, world: int) -> dict:
+def step_time(model: dict, steps: int, warmup: int, batch: int, seq: int, world: int, compiled: bool = True) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -205,13 +214,24 @@ def step_time(model: dict, steps: int, warmup: int, batch: int, seq: int, world:
         AutoModelForCausalLM.from_config(LlamaConfig(**model)).save_pretrained(tmp)
         common = ["--model-dir", tmp, "--model", json.dumps(model), "--steps", steps, "--warmup", warmup,
                   "--batch", batch, "--seq", seq]
-        runs = {path: run_json_child(torchrun(world, "--child", path, *common), name=f"{path} steps", env=FSDP2_ENV)
-                for path in ("loop", "trainer")}
+        # compiled: inductor's cache in a folder of its own, empty: the start-up of a first run (a cache filled by an
+        # earlier run of the same shapes skips inductor's code generation)
+        with tempfile.TemporaryDirectory() as cache:
+            runs = {path: run_json_child(torchrun(world, "--child", path, *common), name=f"{path} steps",
+                                         env={**FSDP2_ENV, "TORCHINDUCTOR_CACHE_DIR": cache})
+                    for path in ("loop", "trainer", "trainer-compiled")[:3 if compiled else 2]}
     ratio = runs["trainer"]["median_step_seconds"] / runs["loop"]["median_step_seconds"]
-    return {"processes": world, "batch_per_process": batch, "seq_len": seq, "steps": steps, "warmup": warmup,
-            "loop_median_step_seconds": round(runs["loop"]["median_step_seconds"], 4),
-            "trainer_median_step_seconds": round(runs["trainer"]["median_step_seconds"], 4),
-            "trainer_over_loop": round(ratio, 3), "within_target": ratio <= 1.05}
+    out = {"processes": world, "batch_per_process": batch, "seq_len": seq, "steps": steps, "warmup": warmup,
+           "loop_median_step_seconds": round(runs["loop"]["median_step_seconds"], 4),
+           "trainer_median_step_seconds": round(runs["trainer"]["median_step_seconds"], 4),
+           "trainer_over_loop": round(ratio, 3), "within_target": ratio <= 1.05,
+           "eager_startup_seconds": round(runs["trainer"]["startup_seconds"], 2)}
+    if compiled:  # compile: true, same run: steady step time and start-up (build to the end of step 1) against eager
+        c = runs["trainer-compiled"]
+        out.update(compiled_median_step_seconds=round(c["median_step_seconds"], 4),
+                   compiled_over_eager=round(c["median_step_seconds"] / runs["trainer"]["median_step_seconds"], 3),
+                   compiled_startup_seconds=round(c["startup_seconds"], 2))
+    return out
 
 
 def main() -> None:
@@ -224,7 +244,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--part", choices=["all", "memory", "step"], default="all")
     p.add_argument("--smoke", action="store_true", help="tiny models and a few steps: checks that it runs")
-    p.add_argument("--child", choices=["build-fsdp2", "build-v1", "trainer", "loop"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["build-fsdp2", "build-v1", "trainer", "trainer-compiled", "loop"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -234,8 +255,10 @@ def main() -> None:
             return child_build_fsdp2(model)
         if args.child == "build-v1":
             return child_build_v1(model, args.world_size)
-        run = child_trainer if args.child == "trainer" else child_loop
-        return run(args.model_dir, model, args.steps, args.batch, args.seq, args.warmup)
+        if args.child == "loop":
+            return child_loop(args.model_dir, model, args.steps, args.batch, args.seq, args.warmup)
+        return child_trainer(args.model_dir, model, args.steps, args.batch, args.seq, args.warmup,
+                             compiled=args.child == "trainer-compiled")
     if args.smoke:  # 2 ranks: the same paths at the fewest processes (the suite runs it)
         args.steps, args.warmup, args.seq, args.world_size = 6, 2, 32, 2
     report: dict = {"smoke": args.smoke}
@@ -243,7 +266,7 @@ def main() -> None:
         report["memory_rank0"] = memory(SMOKE_MEMORY_MODEL if args.smoke else MEMORY_MODEL, args.world_size)
     if args.part in ("all", "step"):
         report["step_time"] = step_time(SMOKE_STEP_MODEL if args.smoke else STEP_MODEL, args.steps, args.warmup,
-                                        args.batch, args.seq, 2)
+                                        args.batch, args.seq, 2, compiled=not args.smoke)
     emit(report)  # one JSON line, last (python -m json.tool reads it)
 
 

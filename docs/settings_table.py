@@ -32,6 +32,7 @@ GUIDE = {
     "compilation_cache_dir": "compile-time.md#the-persistent-compilation-cache-compilation_cache_dir",
     "pad_to_buckets": "compile-time.md#bucketed-batch-lengths-pad_to_buckets",
     "scan_layers": "compile-time.md",
+    "compile": "fsdp2.md#compiling-compile-true",
 }
 
 

@@ -13,7 +13,10 @@ the settings are read and checked (:func:`hf_xla_fsdp.config.resolve.launch_sour
 (:func:`hf_xla_fsdp.integrations.launched.start`); on a pod every host checks that the others run the same script,
 arguments, settings and package versions. When the session says the engine runs one process per device (FSDP v1,
 :meth:`hf_xla_fsdp.session.XlaFsdpSession.processes_per_host`), ``--num_processes`` (or a YAML that gives it) starts
-the processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device.
+the processes as ``accelerate launch`` does on XLA: ``xmp.spawn`` (PJRT), one per local device; engine fsdp2 starts
+them as torchrun does, on several machines with accelerate's ``--num_machines``, ``--machine_rank``,
+``--main_process_ip`` and ``--main_process_port`` (torchrun's static rendezvous; ``--num_processes`` then counts every
+machine's), which the XLA engines refuse.
 
 Bad input (a script that does not exist, conflicting settings, a v2 config once the script used the XLA device
 without SPMD, a host that differs) is one line on stderr and exit code 2, before any work.
@@ -30,9 +33,12 @@ import runpy
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .engines.base import Machines
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "accelerate does on XLA for FSDP v1 (XLA:CPU: sets CPU_NUM_DEVICES), as torchrun does for "
                              "engine fsdp2 (default: the YAML's, else the script runs in the launcher's process); FSDP "
                              "v2 runs one per host")
+    parser.add_argument("--num-machines", "--num_machines", dest="num_machines", type=int, default=None,
+                        help="engine fsdp2: machines of the run, as accelerate's; run the same command on each with its "
+                             "--machine_rank (default: the YAML's, else 1)")
+    parser.add_argument("--machine-rank", "--machine_rank", dest="machine_rank", type=int, default=None,
+                        help="this machine's rank, 0 on the machine at --main_process_ip (default: the YAML's, else 0)")
+    parser.add_argument("--main-process-ip", "--main_process_ip", dest="main_process_ip", default=None,
+                        help="address of machine 0, where torchrun's rendezvous store is served (default: the YAML's)")
+    parser.add_argument("--main-process-port", "--main_process_port", dest="main_process_port", type=int,
+                        default=None, help="its port (default: the YAML's, else 29500, torchrun's)")
     parser.add_argument("--mixed-precision", "--mixed_precision", dest="mixed_precision", choices=("no", "bf16", "fp16"),
                         default=None, help="as accelerate's: the compute dtype (compute_dtype, never autocast) of the "
                                            "script's Trainer or Accelerator (default: the YAML's, else none)")
@@ -76,7 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _VALUED = {"--config_file", "--config-file", "--fsdp_config", "--fsdp-config", "--num_processes", "--num-processes",
-           "--mixed_precision", "--mixed-precision"}  # the options that take a value (the next argument)
+           "--mixed_precision", "--mixed-precision", "--num_machines", "--num-machines", "--machine_rank",
+           "--machine-rank", "--main_process_ip", "--main-process-ip", "--main_process_port", "--main-process-port"}
+#: torchrun's default rendezvous port, accelerate's default main_process_port
+DEFAULT_MAIN_PORT = 29500  # the options that take a value (the next argument)
 
 
 def split_command_line(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -217,11 +235,49 @@ def _spawned(index: int, plan: dict[str, Any]) -> None:
         raise SystemExit(2) from None
 
 
+def machines_of(ns: argparse.Namespace, yaml: dict[str, Any]) -> "Machines":
+    """The machines of the launch from the command line, else the accelerate YAML's ``num_machines``,
+    ``machine_rank``, ``main_process_ip`` and ``main_process_port``; checked (one line for each problem)."""
+    from .engines.base import Machines
+    from .settings import parse_int
+
+    given: list[str] = []
+
+    def pick(name: str, default: Any, yaml_counts: bool) -> Any:
+        flag = getattr(ns, name, None)
+        if flag is not None:
+            given.append(f"--{name} {flag}")
+            return flag
+        value = yaml.get(name)
+        if value is None:
+            return default
+        if yaml_counts and value != default:
+            given.append(f"{name}: {value} in {ns.config_file}")
+        return value
+
+    count = parse_int(pick("num_machines", 1, True), "num_machines", 1)
+    rank = parse_int(pick("machine_rank", 0, True), "machine_rank", 0)
+    ip = pick("main_process_ip", None, False)
+    port = pick("main_process_port", None, False)
+    port = None if port is None else parse_int(port, "main_process_port", 0)
+    if rank >= count:
+        raise ConfigError(f"machine_rank={rank} with num_machines={count}: give 0 to {count - 1} (0 on the machine at "
+                          "main_process_ip)")
+    if count > 1 and not ip:
+        raise ConfigError(f"num_machines={count} needs main_process_ip: the address of machine 0 (machine_rank 0), "
+                          "the same on every machine and reachable from each")
+    if port is not None and not 0 < port < 65536 and not (port == 0 and count == 1):
+        raise ConfigError(f"main_process_port={port}: give a TCP port (1-65535) free on machine 0, the same on every "
+                          "machine")
+    return Machines(count, rank, str(ip) if ip else None, port or None, tuple(given))
+
+
 def prepare(ns: argparse.Namespace) -> dict[str, Any]:
     """Check the command line and read the settings (no XLA runtime, nothing run) and hand them over (the
     environment); returns the launch plan."""
     from .config.keys import read_accelerate_yaml
     from .config.resolve import hand_off, launch_sources
+    from .engines.base import Machines
     from .plugin import XlaFsdpPlugin
     from .session import XlaFsdpSession
 
@@ -245,11 +301,28 @@ def prepare(ns: argparse.Namespace) -> dict[str, Any]:
     sources = launch_sources(ns.script_args, ns.config_file, ns.fsdp_config, ns.mixed_precision)
     plugin = XlaFsdpPlugin.resolve(sources)  # the defaults when no source names a setting
     requested = ns.num_processes if ns.num_processes is not None else yaml.get("num_processes")
-    processes = XlaFsdpSession(plugin).processes_per_host(requested)
+    machines = machines_of(ns, yaml)
+    session = XlaFsdpSession(plugin)
+    session.engine.check_machines(machines)
+    if session.engine.started_by_launcher():  # placed already: a YAML's machine keys were the launcher's to read
+        machines = Machines()
+    if machines.count > 1:
+        from .settings import parse_int
+
+        if requested is None:
+            raise ConfigError(f"num_machines={machines.count} needs num_processes: the processes of all machines "
+                              f"together, as accelerate's (e.g. --num_processes {2 * machines.count} for 2 on each)")
+        total = parse_int(requested, "num_processes", 1)
+        if total % machines.count:
+            raise ConfigError(f"num_processes={total} does not divide among num_machines={machines.count}; give a "
+                              f"multiple of {machines.count} (accelerate's num_processes counts every machine's)")
+        requested = total // machines.count
+    processes = session.processes_per_host(requested)
     hand_off(sources)  # this process and every process it starts (xmp.spawn's) read them from the environment
     settings = plugin.to_dict() if sources else None
     return {"target": target, "module": ns.module, "script_args": list(ns.script_args), "settings": settings,
             "no_pod_check": ns.no_pod_check, "spawn": processes is not None, "processes": processes,
+            "machines": machines,
             "fingerprint": launch_fingerprint(target, ns.module, ns.script_args, settings or {})}
 
 
@@ -257,7 +330,8 @@ def launch(ns: argparse.Namespace) -> int:
     """Run the launch described by parsed arguments; 2 (one line on stderr) for bad input."""
     try:
         plan = prepare(ns)
-        started = _engine(plan).start_processes(plan["processes"], _child_arguments(ns)) if plan["spawn"] else None
+        started = (_engine(plan).start_processes(plan["processes"], _child_arguments(ns), plan["machines"])
+                   if plan["spawn"] else None)
         if started is not None:  # the engine's own launcher ran every process (fsdp2: as torchrun does)
             return started
         if plan["spawn"]:

@@ -7,7 +7,8 @@ it is accepted under (``aliases``), whether it is an ``XlaFullyShardedDataParall
 it (``engines``) and which values an engine refuses (``refused``). The accepted keys, the aliases,
 the type checks and the "allowed keys" of error messages are all derived from these descriptions,
 so a new setting is one field. The plugin holds settings only: it imports no engine (the session
-resolves the engine from ``version``; :meth:`build` and :meth:`wrap` hand over to a session).
+resolves the engine from ``version``); :meth:`build`, :meth:`wrap` and :meth:`prepare_optimizer` are forwards to
+:class:`~hf_xla_fsdp.session.XlaFsdpSession`, which does the work.
 """
 
 from __future__ import annotations
@@ -175,12 +176,21 @@ class XlaFsdpPlugin:
                "differ (e.g. alternating sliding-window attention) are refused (see docs/compile-time.md)",
         refused={1: ((True,), "FSDP v1 gathers each block's flat shard in the block's own forward/backward hooks, "
                               "which cannot run inside a scanned loop body; use version=2 (FSDP v2, SPMD)"),
-                 "fsdp2": ((True,), "scan_layers is torch_xla's scan (one compiled layer); engine fsdp2 runs eagerly "
-                                    "and has nothing to compile; remove it")})
+                 "fsdp2": ((True,), "scan_layers is torch_xla's scan (one compiled layer), not available on engine "
+                                    "fsdp2; remove it (compile=true compiles each block once for all layers)")})
+    compile: bool = setting(
+        False, "engine fsdp2: torch.compile each wrapped block (after its activation checkpointing, before fully_shard, "
+               "as torchtitan does; parameter names unchanged), with inductor on CPU/CUDA (automatic dynamic shapes: the "
+               "first change of sequence length compiles once more, later lengths nothing) and TorchTPU's 'tpu' "
+               "backend on TPUs (static shapes). Off by default: it costs start-up, measured on the CPU only (see "
+               "docs/fsdp2.md); the Trainer logs graphs_compiled per logging window",
+        engines=("fsdp2",),
+        refused={v: ((True,), "the XLA engines compile every step into XLA graphs already (torch_xla traces them); "
+                              "remove compile, or use engine='fsdp2'") for v in XLA_ENGINES})
     pad_to_buckets: Union[bool, int, list[int]] = setting(
         True, "XlaFsdpTrainer and XlaFsdpAccelerator's data loaders pad each batch's sequence length up to a few "
-              "bucket lengths so varied text compiles a bounded number of graphs (XLA engines; fsdp2 compiles no graphs "
-              "and never pads): true = powers of two from 64 up to "
+              "bucket lengths so varied text compiles a bounded number of graphs (XLA engines; fsdp2 never pads: "
+              "with compile, inductor handles new lengths with dynamic shapes): true = powers of two from 64 up to "
               "the model's longest sequence; an int = multiples of it; a list = those lengths; false = off. "
               "input_ids get the pad token (else eos, else 0: hidden by the mask), labels -100, attention masks 0, "
               "on the tokenizer's padding side")
@@ -390,18 +400,23 @@ class XlaFsdpPlugin:
         if distributed not in allowed:
             raise ConfigError(f"distributed_type={distributed!r} in {source}: {why}")
 
-    # ------------------------------------------------------------------ actions (a session does the work)
+    # ------------------------------------------------------------------ actions: forwards to a session
+    # The session does the work; these three are the plugin's only imports of a layer above it (inside the methods,
+    # so importing the plugin imports no session; tests/unit/test_package.py allows them and nothing else). They stay,
+    # without a DeprecationWarning: they are the documented spelling of a hand-written loop (docs/index.md, the
+    # examples, the benchmarks) and cost nothing; a warning would only break `-W error` runs.
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``model`` (eager, on CPU or XLA) with nested XLA FSDP per this plugin."""
+        """Wrap ``model`` (eager, on CPU or XLA) with nested FSDP per this plugin: a forward to
+        ``XlaFsdpSession(plugin).wrap_model(model)`` (:meth:`hf_xla_fsdp.session.XlaFsdpSession.wrap_model`), a
+        short-lived session of its own; keep one session to build, wrap and save with the same runtime."""
         from .session import XlaFsdpSession
 
         return XlaFsdpSession(self).wrap_model(model)
 
     def build(self, config_or_pretrained_dir: Union["PretrainedConfig", str, os.PathLike], **kwargs: Any) -> torch.nn.Module:
-        """Construct the model on ``meta`` and materialize, wrap and shard it block by block.
-
-        See :meth:`hf_xla_fsdp.session.XlaFsdpSession.build_model` for the keyword arguments.
-        """
+        """Construct the model on ``meta`` and materialize, wrap and shard it block by block: a forward to
+        ``XlaFsdpSession(plugin).build_model(...)``; see :meth:`hf_xla_fsdp.session.XlaFsdpSession.build_model` for
+        the keyword arguments."""
         from .session import XlaFsdpSession
 
         return XlaFsdpSession(self).build_model(config_or_pretrained_dir, **kwargs)
@@ -411,7 +426,8 @@ class XlaFsdpPlugin:
         """Ready ``optimizer`` (built from the wrapped ``model``'s parameters) for the engine; returns it.
 
         Needed only in a hand-written loop: accelerate's ``prepare`` and the Trainer call it. With FSDP v2
-        and ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters.
+        and ``compute_dtype`` it makes the optimizer update the fp32 master copies of the parameters. A forward to
+        :func:`hf_xla_fsdp.session.prepare_optimizer` (``XlaFsdpSession.prepare_optimizer`` in a session).
         """
         from .session import prepare_optimizer
 

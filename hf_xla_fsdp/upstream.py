@@ -8,6 +8,14 @@ one of them, or changes the parameters we call or receive, would otherwise surfa
 accelerate integrations when imported, meta construction and FSDP v1 units when first used): a missing or changed
 API is one line naming it, the installed version and the supported range.
 
+Every private name of torch_xla, transformers, accelerate, trl, peft or torch that the package reaches (an underscore
+name: ``torch_xla._XLAC.<fn>``, ``from torch.utils import _pytree``, ``trainer._metrics``, ``getattr(x, "_name")``)
+has an entry here: tests/unit/test_package.py reads the package for such reaches and fails on one without an entry.
+An attribute upstream code sets on its objects (``attribute=True``: ``Accelerator._custom_objects``) cannot be looked
+up on a class: it is checked in the source of the module that sets it. Where our code already has a fallback for a
+missing name (``getattr(obj, "_name", None)``, an ``ImportError`` caught) the entry is ``optional``: :func:`require`
+never refuses a run for it, :func:`problems` (the suite, ``hf-xla-fsdp env``) still names it when it is gone.
+
 The version side: :data:`TESTED` is the range of releases of each package the fast test tier ran with (the oldest
 and newest tested combinations, constraints/oldest.txt and constraints/tested.txt), :data:`SUPPORTED` the ranges
 setup.cfg declares. :func:`check_versions` runs when hf_xla_fsdp is imported: a package installed outside its tested
@@ -20,6 +28,7 @@ import importlib
 import inspect
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -33,7 +42,9 @@ class Upstream:
     """One upstream API we rely on: ``target`` is ``"module:Attr.attr"``; ``params`` the parameter names we call it
     with or receive (in order, ``self`` excluded; None: only that it exists); ``user`` the part of hf_xla_fsdp that
     relies on it; ``why`` what it does with it. An API we *override* (upstream calls our version) must keep exactly
-    these parameters; one we *call* may gain trailing ones."""
+    these parameters; one we *call* may gain trailing ones. ``attribute``: the last part of ``target`` is an attribute
+    upstream code sets on its objects (instances, parameters, modules), checked in the source of ``target``'s module;
+    ``optional``: our code has a fallback when it is gone (see the module docstring)."""
 
     package: str
     user: str
@@ -41,6 +52,8 @@ class Upstream:
     params: Optional[tuple[str, ...]]
     why: str
     override: bool = True
+    attribute: bool = False
+    optional: bool = False
 
 
 def _t(target: str, params: Optional[tuple[str, ...]], why: str, user: str = "trainer", override: bool = True
@@ -50,6 +63,20 @@ def _t(target: str, params: Optional[tuple[str, ...]], why: str, user: str = "tr
 
 def _a(target: str, params: Optional[tuple[str, ...]], why: str, override: bool = True) -> Upstream:
     return Upstream("accelerate", "accelerate", target, params, why, override)
+
+
+def _xlac(name: str, user: str, why: str, optional: bool = False) -> Upstream:
+    """A function of torch_xla's C++ binding (no Python signature to check: its existence is)."""
+    return Upstream("torch_xla", user, f"torch_xla:_XLAC.{name}", None, why, override=False, optional=optional)
+
+
+def _set(package: str, user: str, target: str, why: str, optional: bool = False) -> Upstream:
+    """An attribute upstream code sets on its objects (see :class:`Upstream`)."""
+    return Upstream(package, user, target, None, why, override=False, attribute=True, optional=optional)
+
+
+def _torch(target: str, user: str, why: str) -> Upstream:
+    return Upstream("torch", user, target, None, why, override=False)
 
 
 _TRAINER = "transformers.trainer:Trainer"
@@ -138,6 +165,106 @@ RELIED_ON: tuple[Upstream, ...] = (
     Upstream("torch_xla", "scan", "torch_xla.experimental.spmd_fully_sharded_data_parallel:_prepare_spmd_partition_spec",
              ("param", "extra_data_axis", "shard_maximal"), "the FSDP v2 split of a layer's weight, for its stack",
              override=False),
+    # torch_xla's C++ binding (torch_xla._XLAC): what no public torch_xla API exposes
+    _xlac("_replace_xla_tensor", "engine_v1", "a parameter's device data swapped for a placeholder in place "
+          "(engines/v1.py: the lean unit's handle, under functionalization)"),
+    _xlac("_xla_get_spmd_config_is_locked", "engine_v2", "whether SPMD can still start (engines/v2.py spmd_too_late; "
+          "absent: assumed startable)", optional=True),
+    _xlac("_get_xla_sharding_spec", "engine_v2", "a tensor's sharding, read (engines/v2.py, master_weights.py, "
+          "modeling/tensor_parallel.py: already-split weights are left alone)"),
+    _xlac("_get_local_shards", "engine_v2", "the pieces each device holds, fetched for rank files (engines/v2.py)"),
+    _xlac("_get_local_shard_replica_and_indices", "engine_v2", "which slice of a tensor each device holds "
+          "(engines/v2.py: rank-file offsets, device bytes)"),
+    _xlac("_xla_sync_multi", "engine_v2", "only the given tensors materialized, waited for (engines/v2.py)"),
+    _xlac("_xla_mark_sharding", "engine_v2", "a tensor given another's sharding (engines/v2.py restore, "
+          "master_weights.py fp32 masters)"),
+    _xlac("_get_xla_op_sharding", "engine_v2", "the sharding handed to _xla_mark_sharding"),
+    _xlac("_xla_get_cpu_tensors", "runtime", "many device tensors fetched to the host in one call (runtime.py; absent: "
+          "one .cpu() each)", optional=True),
+    _xlac("_xla_computation_cache_is_initialized", "compile_cache", "whether a graph compiled before the persistent "
+          "cache could be set up (session/compile_cache.py)"),
+    # torch_xla: attributes its FSDP units, loaders and checkpoint_module set, read by ours
+    *(_set("torch_xla", "engine_v1", "torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel:"
+           f"XlaFullyShardedDataParallel.{name}", why)
+      for name, why in (("_shard_size_multiple", "the lean unit cuts shards with the stock padding"),
+                        ("_shard_param_on_dim_0", "the lean unit cuts shards along the stock dimension"),
+                        ("_is_sharded", "set on each parameter a unit sharded: the fp32 check skips inner units' shards"),
+                        ("_orig_dtype", "set on each buffer a unit cast: the host cast keeps the dtype buffer_info "
+                                        "records"),
+                        # what stock FSDP code reads on the shards and handles the lean unit makes itself
+                        *((name, "set on each shard / full-parameter handle as the stock _shard_parameters_ sets it")
+                          for name in ("_orig_size", "_orig_name", "_name", "_sharded_param", "_has_full_param")))),
+    *(_set("torch_xla", "engine_v1", f"torch_xla.distributed.fsdp.xla_flatten_params_wrapper:FlatParameter.{name}",
+           "copied onto the lean unit's flat handle, as stock FSDP reads them")
+      for name in ("_param_numels", "_param_shapes", "_param_infos", "_shared_param_infos")),
+    _set("torch_xla", "engine_v2", "torch_xla.distributed.parallel_loader:MpDeviceLoader._parallel_loader_kwargs",
+         "an XLA device loader told apart and given FSDP v2's input sharding (engines/v2.py shard_loader_inputs)"),
+    _set("torch_xla", "scan", "torch_xla.distributed.fsdp.utils:_xla_checkpointed_forward_original",
+         "checkpoint_module's original forward, run inside the scanned loop (modeling/scan.py)"),
+    # transformers: private attributes of models, configs, auto classes and the Trainer
+    _t("transformers.modeling_utils:PreTrainedModel._init_weights", ("module",),
+       "each module's init replayed on meta, block by block (modeling/meta_init.py)", "modeling", override=False),
+    _t("transformers.modeling_utils:PreTrainedModel._no_split_modules", None,
+       "the blocks that become FSDP units by default (modeling/wrapping.py, session/session.py)", "modeling"),
+    _t("transformers.models.auto.modeling_auto:AutoModelForCausalLM._model_mapping", None,
+       "a config without architectures told to be a causal LM (modeling/meta_init.py)", "modeling"),
+    _set("transformers", "modeling", "transformers.modeling_utils:_is_hf_initialized",
+         "the flag from_pretrained puts on tensors it loaded: their init is not recorded (modeling/meta_init.py)"),
+    _t("transformers.configuration_utils:PretrainedConfig._attn_implementation", None,
+       "tensor parallel attention switched to its head-local kernel (modeling/tensor_parallel.py)", "engine_v2"),
+    _set("transformers", "trl", "transformers.configuration_utils:PretrainedConfig._name_or_path",
+         "the path a TRL trainer's model came from, kept for its reference model (integrations/trl_hooks.py; absent: "
+         "the class name)", optional=True),
+    Upstream("transformers", "scan", "transformers.utils.output_capturing:_active_collector", None,
+             "output_hidden_states / attentions refused under scan_layers (modeling/scan.py; absent: nothing records "
+             "through that path)", override=False, optional=True),
+    _set("transformers", "trainer", f"{_TRAINER}._tr_loss", "the running loss made a device tensor before training "
+         "(integrations/trainer.py training_step; absent: step 2 compiles once more)", optional=True),
+    # accelerate: Accelerator / PartialState internals
+    _set("accelerate", "accelerate", f"{_ACCELERATOR}._schedulers", "the scheduler a sharded checkpoint saves"),
+    _set("accelerate", "accelerate", f"{_ACCELERATOR}._custom_objects", "register_for_checkpointing's objects saved "
+         "with a sharded checkpoint"),
+    Upstream("accelerate", "engine_fsdp2", "accelerate.state:PartialState._shared_state", None,
+             "engine fsdp2 refuses a process whose accelerate state took the XLA device (engines/fsdp2.py; absent: "
+             "nothing to refuse)", override=False, optional=True),
+    # trl: GRPOTrainer internals the fixed-shape rollout reads (integrations/rollout.py), each with a fallback
+    Upstream("trl", "rollout", "trl.trainer.grpo_trainer:GRPOTrainer._tokenize_prompts", None,
+             "TRL's own prompt tokenization (chat template, tools); absent: the processing class", override=False,
+             optional=True),
+    _set("trl", "rollout", "trl.trainer.grpo_trainer:GRPOTrainer._tokenizer", "the tokenizer inside a processor "
+         "(pad token); absent: the processing class", optional=True),
+    _set("trl", "rollout", "trl.trainer.grpo_trainer:GRPOTrainer._metrics", "completion-length metrics logged as "
+         "TRL logs them; absent: not logged", optional=True),
+    Upstream("huggingface_hub", "settings", "huggingface_hub.serialization._base:parse_size_to_int", None,
+             "size strings (\"5GB\") read as huggingface_hub's save_pretrained reads them (settings.py)",
+             override=False),
+    # torch: private functions and nn.Module internals
+    _torch("torch:_C.DisableTorchFunctionSubclass", "modeling", "lazy weights run torch functions on their plain "
+           "tensors (modeling/lazy.py)"),
+    _torch("torch:_has_compatible_shallow_copy_type", "modeling", "lazy weights accepted where a tensor's data is "
+           "swapped (modeling/lazy.py)"),
+    _torch("torch.utils:_pytree", "modeling", "tree maps over arguments and scanned carries (modeling/lazy.py, "
+           "meta_init.py, scan.py)"),
+    _torch("torch:_foreach_mul_", "engine_fsdp2", "local gradient shards clipped in one call (engines/fsdp2.py)"),
+    _torch("torch.storage:_dtype_to_storage_type_map", "checkpoint", "storage type names of torch.save archives "
+           "mapped to dtypes without torch.load (checkpoint/torch_zip.py)"),
+    _torch("torch.optim.optimizer:_get_scalar_dtype", "session", "the dtype of an optimizer's step counter made before "
+           "the first step (session/optimizers.py)"),
+    _torch("torch.nn.modules.module:Module._register_state_dict_hook", "scan", "scanned layers saved under the "
+           "unrolled names (modeling/scan.py)"),
+    _torch("torch.nn.modules.module:Module._register_load_state_dict_pre_hook", "scan", "unrolled names loaded into "
+           "scanned layers (modeling/scan.py)"),
+    _torch("torch.utils._python_dispatch:TorchDispatchMode", "modeling", "meta construction replays random ops "
+           "aimed at meta tensors on scratch CPU tensors (modeling/meta_init.py)"),
+    *(_set("torch", user, f"torch.nn.modules.module:Module.{name}", why)
+      for name, user, why in (("_parameters", "modeling", "parameters swapped for handles, shards or materialized "
+                                                           "tensors (modeling/meta_init.py, scan.py, engines/v1.py, "
+                                                           "engines/fsdp2.py)"),
+                              ("_buffers", "modeling", "buffers replaced in place, cast or materialized (modeling/"
+                                                        "meta_init.py, engines/v1.py, engines/fsdp2.py)"),
+                              ("_modules", "scan", "a layer list swapped for its scanned stack (modeling/scan.py)"),
+                              ("_non_persistent_buffers_set", "modeling", "non-persistent buffers kept out of loads "
+                                                                          "(modeling/meta_init.py, lazy.py)"))),
 )
 
 
@@ -262,6 +389,21 @@ def resolve(target: str) -> Any:
     return obj
 
 
+def _attribute_problem(entry: Upstream) -> Optional[str]:
+    """An attribute entry: its owner (when named) resolves and its module's code still sets it (``.name =``,
+    ``.name: T =`` or the name as a string, as ``setattr`` / ``__setattr__`` take it)."""
+    module, _, path = entry.target.partition(":")
+    owner, _, name = path.rpartition(".")
+    try:
+        source = inspect.getsource(importlib.import_module(module))
+        if owner:
+            resolve(f"{module}:{owner}")
+    except (ImportError, AttributeError, OSError, TypeError):
+        return f"{entry.target} is gone"
+    pattern = rf"\.{re.escape(name)}\s*(?::[^=\n]*)?=(?!=)|[\"']{re.escape(name)}[\"']"
+    return None if re.search(pattern, source) else f"{entry.target} is no longer set by {module}"
+
+
 def _parameters(obj: Any) -> Optional[tuple[str, ...]]:
     func = getattr(obj, "func", obj)  # a cached_property's function
     func = getattr(func, "__func__", func)  # a staticmethod / classmethod
@@ -274,6 +416,8 @@ def _parameters(obj: Any) -> Optional[tuple[str, ...]]:
 
 def problem(entry: Upstream) -> Optional[str]:
     """What is wrong with ``entry`` in the installed packages (None: it is there as we use it)."""
+    if entry.attribute:
+        return _attribute_problem(entry)
     try:
         obj = resolve(entry.target)
     except (ImportError, AttributeError):
@@ -312,10 +456,11 @@ def unsupported_message(package: str, version: str, what: str) -> str:
 
 def require(user: str) -> None:
     """One line naming the first API relied on by ``user`` (``"trainer"``, ``"accelerate"``, ``"modeling"``,
-    ``"engine_v1"``) that the installed packages lack or changed; checked once per process."""
+    ``"engine_v1"``, ``"engine_v2"``, ``"scan"``, ``"compile_cache"``, ...) that the installed packages lack or
+    changed; checked once per process. Optional entries (our code has a fallback) never refuse a run."""
     if user in _checked:
         return
-    found = problems(user)
+    found = [(e, p) for e, p in problems(user) if not e.optional]
     if found:
         (entry, what), more = found[0], f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ConfigError(unsupported_message(entry.package, installed_version(entry.package), what + more))

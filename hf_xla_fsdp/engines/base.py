@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from ..checkpoint.codec import Collectives, RankState, Restored, tag
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
 
-__all__ = ["EVALUATION_ATTR", "Engine", "PlannedUnit", "RankState", "Restored", "host_copies", "host_copy",
+__all__ = ["EVALUATION_ATTR", "Engine", "Machines", "PlannedUnit", "RankState", "Restored", "host_copies", "host_copy",
            "in_evaluation_mode"]
 
 
@@ -31,6 +32,23 @@ class PlannedUnit:
     name: str
     params: tuple[tuple[int, tuple[int, ...]], ...]
     names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Machines:
+    """The machines of a launch, in accelerate's terms: how many, this one's rank, where machine 0 serves the
+    rendezvous. ``given``: what the command line or YAML said (``num_machines=2``, ...), for the lines that refuse it."""
+
+    count: int = 1
+    rank: int = 0
+    main_ip: Optional[str] = None
+    main_port: Optional[int] = None
+    given: tuple[str, ...] = ()
+
+    @property
+    def several(self) -> bool:
+        """True when the launch spans machines (or claims a machine rank other than 0)."""
+        return self.count > 1 or self.rank > 0
 
 
 #: set on every unit of a model wrapped in evaluation mode (inference only: frozen, never given to an optimizer)
@@ -159,11 +177,22 @@ class Engine:
         """True in a process that a launcher of this engine's processes started (it must not start more)."""
         return False
 
-    def start_processes(self, count: int, launcher_arguments: list[str]) -> Optional[int]:
-        """Start ``count`` processes on this host, each running ``python -m hf_xla_fsdp.launch *launcher_arguments``,
-        wait for them and return the exit code; None when the engine leaves starting processes to the launcher
-        (``xmp.spawn`` for FSDP v1)."""
+    def start_processes(self, count: int, launcher_arguments: list[str],
+                        machines: Optional[Machines] = None) -> Optional[int]:
+        """Start ``count`` processes on this host (one of ``machines``), each running ``python -m hf_xla_fsdp.launch
+        *launcher_arguments``, wait for them and return the exit code; None when the engine leaves starting processes
+        to the launcher (``xmp.spawn`` for FSDP v1)."""
         return None
+
+    def check_machines(self, machines: Machines) -> None:
+        """Refuse, in one line, machine flags the engine cannot honour, before any work. The XLA engines span hosts
+        through the XLA runtime (the same command on every host of a pod), not through a launcher's rendezvous."""
+        if machines.several or any("main_process_" in g for g in machines.given):
+            what = ", ".join(machines.given) or f"num_machines={machines.count}"
+            raise ConfigError(f"{what}: {self.title} does not start processes across machines; on a TPU pod run the "
+                              "same hf-xla-fsdp launch command on every host without machine flags (the XLA runtime "
+                              "connects them), or choose engine fsdp2 (--fsdp_config '{\"engine\": \"fsdp2\"}') to "
+                              "run torch.distributed across machines")
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:

@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import sys
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -35,7 +36,7 @@ from ..checkpoint.readers import LAYOUT_PIECES, merge_pieces, open_listed, read_
 from ..checkpoint.safetensors_io import dtype_name
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
-from .base import Engine, host_copy
+from .base import Engine, Machines, host_copy
 
 if TYPE_CHECKING:
     from ..plugin import XlaFsdpPlugin
@@ -98,6 +99,20 @@ def resolve_device() -> tuple[str, str]:
                           + (f" (from ${ENV_DEVICE})" if forced else "") + "; install the package that provides it "
                           "(TorchTPU for tpu) or set " + ENV_DEVICE + "=cpu") from None
     return device_type, str(backend)
+
+
+def compile_options(device_type: Optional[str] = None) -> dict[str, Any]:
+    """``torch.compile``'s ``backend`` and ``dynamic`` for blocks on ``device_type`` (this process's by default),
+    decided beside :func:`resolve_device` and nowhere else.
+
+    TorchTPU's own backend ``tpu`` with static shapes on TPUs (its only mode: a graph with symbolic sizes is refused);
+    elsewhere inductor with automatic dynamic shapes (``dynamic=None``): a block compiles for the first shapes it sees,
+    and when a size changes once more with that dimension symbolic, so varied sequence lengths cost two graphs, not one
+    per length, and no batch is padded.
+    """
+    if (device_type or current_device_type()) == "tpu":
+        return {"backend": "tpu", "dynamic": False}
+    return {"backend": "inductor", "dynamic": None}
 
 
 def _local_rank() -> int:
@@ -301,15 +316,38 @@ def shard_module(module: nn.Module, plugin: "XlaFsdpPlugin", reshard_after_forwa
 def _checkpointed(block: nn.Module) -> nn.Module:
     """Recompute ``block``'s activations in backward (``torch.utils.checkpoint``, non-reentrant) without renaming its
     parameters (a ``checkpoint_wrapper`` would put ``_checkpoint_wrapped_module.`` into every name)."""
+    if "forward" not in block.__dict__:
+        # one function for every block, bound to each: torch.compile then traces one code object whose block is an
+        # input, so one graph serves every layer (a closure over each block's own forward is guarded by its identity:
+        # a graph per layer, and past torch._dynamo's recompile limit of 8 the other layers silently run eagerly)
+        block.forward = types.MethodType(_recomputed_forward, block)
+        return block
     from torch.utils.checkpoint import checkpoint
 
-    forward = block.forward
+    forward = block.forward  # an instance's own forward (set by someone else): kept, recomputed
 
     @functools.wraps(forward)
     def recomputed(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     block.forward = recomputed
+    return block
+
+
+def _recomputed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``block``'s class forward under ``torch.utils.checkpoint`` (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def _compiled(block: nn.Module) -> nn.Module:
+    """``block``'s forward (its activation checkpointing included) compiled in place, so its parameter names stay
+    (``torch.compile(block)`` would put ``_orig_mod.`` into every name). Only the forward: the FSDP hooks that
+    ``fully_shard`` adds around it (all-gather, reshard) stay eager, as in torchtitan, where each compiled block is
+    sharded. ``fullgraph``: a decoder layer is one graph (a break would mean a silent eager fallback in the middle of
+    every layer); every block runs the same code, so one compiled graph serves all layers of a model."""
+    block.forward = torch.compile(block.forward, fullgraph=True, **compile_options())
     return block
 
 
@@ -337,6 +375,15 @@ def _read_local(entry: dict[str, Any], like: torch.Tensor) -> torch.Tensor:
     if rows is None:
         return read_pieces(entry)
     return read_rows_of_pieces(entry, *rows)
+
+
+def torchrun_placement(count: int, machines: Optional[Machines] = None) -> list[str]:
+    """torchrun's arguments that place ``count`` processes on this machine of ``machines``."""
+    if machines is None or (machines.count == 1 and machines.main_port is None):
+        return ["--standalone", f"--nproc_per_node={count}"]
+    port = machines.main_port or 29500  # torchrun's default, accelerate's
+    return [f"--nnodes={machines.count}", f"--node_rank={machines.rank}", "--rdzv_backend=static",
+            f"--master_addr={machines.main_ip or '127.0.0.1'}", f"--master_port={port}", f"--nproc_per_node={count}"]
 
 
 class Fsdp2(Engine):
@@ -372,8 +419,12 @@ class Fsdp2(Engine):
 
     # ----------------------------------------------------------------- runtime
     def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
+        from .nodes import die_with_launcher, watch_machines
+
         _refuse_xla_runtime(what)
+        die_with_launcher()  # before the rendezvous, which waits for every machine
         get_mesh(plugin)  # the process group, the device, and the mesh, before any model exists
+        watch_machines()  # several machines: a lost one stops every process with one line naming it
         if current_device_type() == "cpu":
             # accelerate counts CPU processes (MULTI_CPU: every process its own batches) only when told it runs on
             # the CPU; its state is built later (by TrainingArguments or the Accelerator) and reads this
@@ -413,20 +464,32 @@ class Fsdp2(Engine):
         # one of the processes torchrun (or this launcher through it) started runs the script; it starts none
         return None if self.started_by_launcher() else super().processes_per_host(requested)
 
-    def start_processes(self, count: int, launcher_arguments: list[str]) -> Optional[int]:
-        """``count`` processes on this host as ``torchrun --standalone --nproc_per_node count`` starts them, each
-        ``python -m hf_xla_fsdp.launch`` with the same settings (several hosts: run torchrun with ``-m
-        hf_xla_fsdp.launch`` on each, as for any torch.distributed job). transformers and accelerate are told to leave
-        torch_xla alone (``USE_TORCH_XLA=0``) where it is installed; on a TPU VM TorchTPU's launch environment is set
-        first (its ``set_tpu_launch_env``: the slice's addresses and topology, decided in this process)."""
+    def check_machines(self, machines: Machines) -> None:
+        flags = [g for g in machines.given if g.startswith("--")]  # a YAML's keys serve the outer launcher
+        if self.started_by_launcher() and flags:
+            raise ConfigError(f"{', '.join(flags)}: this process was started by torchrun (or accelerate launch), which "
+                              "placed it on its machine already; give the machine flags to one launcher only")
+
+    def start_processes(self, count: int, launcher_arguments: list[str],
+                        machines: Optional[Machines] = None) -> Optional[int]:
+        """``count`` processes on this host as torchrun starts them, each ``python -m hf_xla_fsdp.launch`` with the
+        same settings: ``torchrun --standalone --nproc_per_node count`` on one machine; on several, ``torchrun --nnodes
+        N --node_rank R --master_addr IP --master_port PORT --nproc_per_node count`` (the static rendezvous, as
+        accelerate starts it: ranks numbered machine by machine, ``R * count`` to ``R * count + count - 1`` here).
+        transformers and accelerate are told to leave torch_xla alone (``USE_TORCH_XLA=0``) where it is installed; on a
+        TPU VM TorchTPU's launch environment is set first (its ``set_tpu_launch_env``: the slice's addresses and
+        topology, decided in this process). The processes die with this one (:func:`.nodes.die_with_launcher`)."""
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import get_args_parser, run
 
+        from .nodes import ENV_LAUNCHER_PID
+
         os.environ.setdefault("USE_TORCH_XLA", "0")
+        os.environ[ENV_LAUNCHER_PID] = str(os.getpid())
         tpu = getattr(getattr(torch, "tpu", None), "distributed", None)
         if tpu is not None and hasattr(tpu, "set_tpu_launch_env"):
             tpu.set_tpu_launch_env(nproc_per_node=count)
-        args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={count}", "-m", "hf_xla_fsdp.launch",
+        args = get_args_parser().parse_args([*torchrun_placement(count, machines), "-m", "hf_xla_fsdp.launch",
                                              *launcher_arguments])
         try:
             run(args)
@@ -453,7 +516,11 @@ class Fsdp2(Engine):
             return self._for_inference(tag(shard_module(block, plugin, reshard_after_forward=True), self), plugin)
         # zero2 keeps every block a unit too, with its gathered parameters kept from forward to backward (FSDP2's
         # ZeRO-2); zero3 frees them after each block's forward unless reshard_after_forward is off
+        # torchtitan's order: activation checkpointing, then compile (the recomputation inside the compiled graph),
+        # then fully_shard (its hooks around the compiled forward)
         block = self.checkpoint_block(block, plugin)
+        if plugin.compile:
+            block = _compiled(block)
         return tag(shard_module(block, plugin, reshard_after_forward=nested and plugin.reshard_after_forward), self)
 
     def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin", *, evaluation_mode: bool = False) -> nn.Module:

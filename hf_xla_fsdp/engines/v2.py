@@ -54,6 +54,9 @@ def spmd_too_late() -> bool:
     import torch_xla
     import torch_xla.runtime as xr
 
+    from .. import upstream
+
+    upstream.require("engine_v2")  # every process of this engine asks here first; the _XLAC calls below and beyond
     if xr.is_spmd():
         return False
     locked = getattr(torch_xla._XLAC, "_xla_get_spmd_config_is_locked", None)
@@ -75,6 +78,9 @@ def spmd_class() -> type:
     """``SpmdFullyShardedDataParallel`` (imported lazily)."""
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
+    from .. import upstream
+
+    upstream.require("engine_v2")  # wrapping: the sharding reads and writes of torch_xla._XLAC it relies on
     return SpmdFullyShardedDataParallel
 
 

@@ -133,6 +133,9 @@ def _choose(setting: Optional[str], process_index: Callable[[], int]) -> CacheSt
     path = default_dir() if setting == "auto" else setting
     if path is None:
         return CacheState(None, reason="off")
+    from .. import upstream
+
+    upstream.require("compile_cache")
     if torch_xla._XLAC._xla_computation_cache_is_initialized():
         (logger.warning if explicit else logger.debug)(
             "compilation_cache_dir=%s not used: a graph was compiled before hf_xla_fsdp set up the runtime; build the "

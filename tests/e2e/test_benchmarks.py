@@ -58,7 +58,7 @@ def last_json_line(stdout: str) -> dict[str, Any]:
 def test_every_benchmark_is_found():
     # the discovery above is what covers new scripts; an empty or shrunken glob would pass every test vacuously
     names = {p.stem for p in BENCHMARKS}
-    assert {"consolidate", "compile", "compile_shapes", "engines", "trainer_vs_stock"} <= names
+    assert {"consolidate", "compile", "compile_shapes", "engines", "trainer_vs_stock", "fsdp2", "peers"} <= names
 
 
 @pytest.mark.parametrize("script", BENCHMARKS, ids=lambda p: p.stem)

@@ -20,8 +20,8 @@ PROBE = """
 import json, sys
 from hf_xla_fsdp import XlaFsdpPlugin
 from hf_xla_fsdp.engines import engine_for
-from hf_xla_fsdp.engines.fsdp2 import resolve_device
-out = {"device": resolve_device(), "default_engine": XlaFsdpPlugin().engine,
+from hf_xla_fsdp.engines.fsdp2 import compile_options, resolve_device
+out = {"device": resolve_device(), "compile": compile_options(), "default_engine": XlaFsdpPlugin().engine,
        "engine": engine_for(XlaFsdpPlugin()).name}
 try:
     engine_for(XlaFsdpPlugin(engine="xla"))
@@ -46,6 +46,8 @@ def test_torch_tpu_device_and_backend_are_chosen_without_torch_xla():
     # stand-in registers the same, so the choice is what a TPU VM with TorchTPU gets
     found = probe([FAKE_TPU])
     assert found["device"] == ["tpu", "tpu_dist"]
+    # compile: true on TPUs: TorchTPU's own torch.compile backend, static shapes (the only ones it compiles)
+    assert found["compile"] == {"backend": "tpu", "dynamic": False}
     assert found["default_engine"] == "fsdp2" and found["engine"] == "fsdp2"
     assert not found["torch_xla_imported"]
     # the XLA engines need torch_xla: one line naming the fix
@@ -58,6 +60,18 @@ def test_the_device_can_be_forced():
     # (with nothing forced and no accelerator, cpu/gloo: what every torchrun test here runs on)
     forced = probe([FAKE_TPU], {"HF_XLA_FSDP_DEVICE": "cpu"})
     assert forced["device"] == ["cpu", "gloo"] and not forced["torch_xla_imported"]
+    assert forced["compile"] == {"backend": "inductor", "dynamic": None}  # automatic dynamic shapes
+
+
+def test_compile_is_engine_fsdp2s_and_refused_on_the_xla_engines_in_one_line():
+    from hf_xla_fsdp import XlaFsdpPlugin
+
+    assert XlaFsdpPlugin(engine="fsdp2", compile="true").compile is True
+    assert XlaFsdpPlugin.from_fsdp_config({"engine": "fsdp2", "compile": True}).compile is True  # benchmarks/peers.py
+    for version in (1, 2):
+        with pytest.raises(ConfigError, match=r"^compile=True is not available with .*the XLA engines compile every "
+                                              r"step into XLA graphs already .*remove compile, or use engine='fsdp2'$"):
+            XlaFsdpPlugin(engine="xla", version=version, compile=True)
 
 
 def test_mesh_layout():

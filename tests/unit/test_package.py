@@ -245,6 +245,10 @@ def format_cycles(graph: Graph, cycles: list[list[str]], limit: int = MAX_CYCLES
 
 
 def test_import_graph_has_no_cycle() -> None:
+    """No cycle among the imports that can run: module-level and function-level ones, with the package ``__init__``s
+    an import runs (:func:`import_graph`). ``if TYPE_CHECKING:`` imports never run and are left out: counted, the
+    annotations that name ``XlaFsdpPlugin`` in the session, engines, modeling and planning close a cycle with the
+    plugin's forwards (``build`` / ``wrap`` import the session when called), which is no import order problem."""
     modules = discover_modules()
     assert PACKAGE in modules, f"no {PACKAGE_DIR / '__init__.py'}"
     graph = import_graph(modules)
@@ -266,16 +270,46 @@ def _reachable(graph: Graph, start: str) -> dict[str, list[str]]:
     return paths
 
 
+PLUGIN_FORWARDS = ("wrap", "build", "prepare_optimizer")  # XlaFsdpPlugin's methods that hand over to a session
+
+
+def plugin_forward_sites() -> set[str]:
+    """``path:line`` of every import inside the plugin's forwards (:data:`PLUGIN_FORWARDS`)."""
+    path = PACKAGE_DIR / "plugin.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "XlaFsdpPlugin"]
+    methods = {n.name: n for c in classes for n in c.body if isinstance(n, ast.FunctionDef)}
+    assert set(PLUGIN_FORWARDS) <= set(methods), f"XlaFsdpPlugin lacks {set(PLUGIN_FORWARDS) - set(methods)}"
+    return {f"{_shown(path)}:{n.lineno}" for name in PLUGIN_FORWARDS for n in ast.walk(methods[name])
+            if isinstance(n, (ast.Import, ast.ImportFrom))}
+
+
+def test_the_plugin_imports_no_layer_above_it_but_in_its_forwards() -> None:
+    """The plugin is the settings object: importing it imports no session or engine, and its only imports of them
+    are the forwards' (``XlaFsdpPlugin.build`` / ``wrap`` / ``prepare_optimizer``, kept as the documented spelling of
+    a hand-written loop; ``XlaFsdpSession`` does the work)."""
+    graph = import_graph(discover_modules())
+    above = (f"{PACKAGE}.session", f"{PACKAGE}.engines", f"{PACKAGE}.integrations")
+    forwards = plugin_forward_sites()
+    found = [f"{target}: {site}" for target, sites in graph[f"{PACKAGE}.plugin"].items() if target.startswith(above)
+             for site in sites if site not in forwards]
+    assert not found, "hf_xla_fsdp.plugin imports a layer above it outside its forwards:\n  " + "\n  ".join(found)
+    assert forwards, "the plugin's forwards import nothing: drop the allowance in plugin_forward_sites"
+
+
 @pytest.mark.parametrize("layer", [f"{PACKAGE}.checkpoint", f"{PACKAGE}.plugin", f"{PACKAGE}.config",
                                    f"{PACKAGE}.modeling", f"{PACKAGE}.export"])
 def test_lower_layers_never_reach_an_engine(layer: str) -> None:
     """Data flows one way (config -> plugin -> session -> engine -> ... -> checkpoint -> export): checkpoints, settings,
-    model construction and export never import an engine, directly or through anything they import. The plugin may
-    hand its work to a session (``build``/``wrap``), which is where engines come in."""
+    model construction and export never import an engine, directly or through anything they import. The plugin's
+    forwards (``build``, ``wrap``, ``prepare_optimizer``) hand its work to a session, which is where engines come in:
+    their imports, and only theirs, are left out (any other import of the plugin still counts)."""
     modules = discover_modules()
     graph = import_graph(modules)
-    plugin = f"{PACKAGE}.plugin"  # its build/wrap hand over to a session; the settings themselves import no engine
-    graph[plugin] = {t: s for t, s in graph[plugin].items() if not t.startswith(f"{PACKAGE}.session")}
+    plugin = f"{PACKAGE}.plugin"
+    forwards = plugin_forward_sites()
+    graph[plugin] = {t: kept for t, sites in graph[plugin].items()
+                     for kept in [[s for s in sites if s not in forwards]] if kept}
     starts = [m for m in modules if m == layer or m.startswith(layer + ".")]
     for start in starts:
         engines = [(m, chain) for m, chain in _reachable(graph, start).items() if m.startswith(f"{PACKAGE}.engines")]
@@ -480,3 +514,194 @@ def test_ruff_is_clean() -> None:
         pytest.skip("ruff is not installed (it comes with the dev extra)")
     res = subprocess.run([ruff, "check", "hf_xla_fsdp", "tests", "examples"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-3000:]
+
+
+# ---------------------------------------------------------------- every private upstream reach is listed in upstream.py
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _upstream_packages() -> set[str]:
+    from hf_xla_fsdp.upstream import TESTED
+
+    return set(TESTED)
+
+
+# underscore attributes that are not an upstream package's: standard-library internals (no release range of ours
+# governs them) and attributes the package puts on objects it does not own
+NOT_UPSTREAM = {"_initializing": "importlib's ModuleSpec (importhooks.py: a module still executing)",
+                "_backward": "set by modeling/scan.py on the ctx of its own autograd Function"}
+OUR_PREFIXES = ("_hf_xla_fsdp", "_xla_fsdp")  # the package's own markers on upstream objects
+
+
+def _upstream_has(origin: str, name: str) -> bool:
+    """Whether the installed upstream class ``origin`` (dotted) has ``name``; True when it cannot be imported here
+    (a subclass of a torch_xla class where torch_xla is not installed: counted as a reach)."""
+    import importlib
+
+    parts = origin.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            return True
+        return hasattr(obj, name)
+    return True
+
+
+def _defined_privately(trees: Iterable[ast.AST]) -> set[str]:
+    """Underscore names the package itself defines: functions, classes, module- and class-level names, attributes set
+    on ``self`` / ``cls`` and names given to ``setattr``. A read of any other underscore attribute is upstream's."""
+    found: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(node.name)
+                scopes = [node] if isinstance(node, ast.ClassDef) else []
+            elif isinstance(node, ast.Module):
+                scopes = [node]
+            else:
+                scopes = []
+            for scope in scopes:  # module- and class-level assignments
+                for stmt in scope.body:
+                    targets = stmt.targets if isinstance(stmt, ast.Assign) else \
+                        [stmt.target] if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) else []
+                    found.update(t.id for t in targets if isinstance(t, ast.Name))
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                found.add(node.attr)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
+                found.add(str(node.args[1].value))
+    return {n for n in found if _private(n)} | {n for n in NOT_UPSTREAM}
+
+
+def _chain(node: ast.expr) -> tuple[Optional[str], list[str]]:
+    """``a.b.c`` -> ("a", ["b", "c"]); ``getattr(a.b, "c")`` likewise; root None when it is not a name."""
+    attrs: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            attrs.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            attrs.append(node.args[1].value)
+            node = node.args[0]
+        else:
+            return (node.id if isinstance(node, ast.Name) else None), attrs[::-1]
+
+
+def _truncated(parts: list[str]) -> str:
+    """A dotted reach cut after its last underscore part (what the package relies on being there)."""
+    last = max(i for i, p in enumerate(parts) if _private(p))
+    return ".".join(parts[:last + 1])
+
+
+def private_reaches(files: Iterable[Path]) -> Iterator[tuple[str, str]]:
+    """``(reach, "path:line")`` for every underscore name of an upstream package (those of ``upstream.TESTED``) the
+    files reach: ``torch_xla._XLAC.<fn>`` (attribute or ``getattr``), ``from torch.utils import _pytree``,
+    ``transformers.AutoModelForCausalLM._model_mapping``, a private method a subclass of an upstream class overrides
+    (``Accelerator._get_named_parameters``), and any underscore attribute read that the package does not define itself
+    (``trainer._metrics``, ``getattr(self, "_tr_loss")``). A reach whose package is known is ``pkg.dotted.path`` cut
+    after its last underscore part; one read off an object of unknown origin is ``?._name``."""
+    files = list(files)
+    trees = {path: ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) for path in files}
+    ours = _defined_privately(trees.values())
+    upstream, stdlib = _upstream_packages(), set(sys.stdlib_module_names)
+    for path, tree in trees.items():
+        where = _shown(path)
+        bound: dict[str, str] = {}  # local name -> dotted upstream origin
+        foreign: set[str] = set()  # names bound to standard-library modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.split(".")[0]
+                    local, origin = (alias.asname, alias.name) if alias.asname else (top, top)
+                    if top in upstream:
+                        bound[local] = origin
+                        if any(_private(p) for p in alias.name.split(".")):
+                            yield _truncated(alias.name.split(".")), f"{where}:{node.lineno}"
+                    elif top in stdlib:
+                        foreign.add(local)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                top = node.module.split(".")[0]
+                for alias in node.names:
+                    if top in upstream:
+                        bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                        parts = f"{node.module}.{alias.name}".split(".")
+                        if any(_private(p) for p in parts):
+                            yield _truncated(parts), f"{where}:{node.lineno}"
+                    elif top in stdlib:
+                        foreign.add(alias.asname or alias.name)
+        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        inner |= {id(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                  and n.func.id in ("getattr", "hasattr") and n.args}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):  # private methods overridden in a subclass of an upstream class
+                bases = [_chain(b) for b in node.bases]
+                origins = [".".join([bound[r], *a]) for r, a in bases if r in bound]
+                for stmt in node.body:  # an override, not a helper of our own: the installed base has it
+                    if origins and isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(stmt.name) \
+                            and _upstream_has(origins[0], stmt.name):
+                        yield f"{origins[0]}.{stmt.name}", f"{where}:{stmt.lineno}"
+            is_getattr = isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "hasattr")
+            if id(node) in inner or not (isinstance(node, ast.Attribute) or is_getattr):
+                continue
+            root, attrs = _chain(node)
+            if not any(_private(a) for a in attrs):
+                continue
+            if root in bound:
+                yield _truncated(bound[root].split(".") + attrs), f"{where}:{node.lineno}"
+            elif root not in foreign:
+                for name in attrs:
+                    if _private(name) and name not in ours and not name.startswith(OUR_PREFIXES):
+                        yield f"?.{name}", f"{where}:{node.lineno}"
+
+
+def _covered(reach: str, targets: list[str]) -> bool:
+    """Whether an entry of upstream.py names ``reach``: the same dotted path (or a longer one under it), or for a reach
+    through a re-export (``transformers.AutoModelForCausalLM``) one ending in the same owner and name; a reach of
+    unknown origin by an entry of that name."""
+    parts = reach.split(".")
+    if parts[0] == "?":
+        return any(t.split(".")[-1] == parts[1] for t in targets)
+    tail = ".".join(parts[-2:])
+    return any(t.split(".")[0] == parts[0] and (t == reach or t.startswith(reach + ".") or t.endswith("." + tail)
+                                                 or t == tail) for t in targets)
+
+
+def test_every_private_upstream_reach_is_listed_in_upstream_py(tmp_path: Path) -> None:
+    """A private name of torch_xla, transformers, accelerate, trl, peft or torch (``torch_xla._XLAC.<fn>``, a private
+    attribute of a Trainer, an override of a private method) may change in any release: each has an entry in
+    ``hf_xla_fsdp/upstream.py`` (``RELIED_ON``), which checks it against what is installed before its part runs."""
+    from hf_xla_fsdp.upstream import RELIED_ON
+
+    targets = [e.target.replace(":", ".") for e in RELIED_ON]
+    files = [p for p in sorted(PACKAGE_DIR.rglob("*.py")) if p.name != "upstream.py"]
+    missing: dict[str, list[str]] = {}
+    for reach, where in private_reaches(files):
+        if not _covered(reach, targets):
+            missing.setdefault(reach, []).append(where)
+    if missing:
+        pytest.fail("private upstream names reached without an entry in hf_xla_fsdp/upstream.py (RELIED_ON: target, "
+                    "user, why; checked by upstream.require before use):\n  "
+                    + "\n  ".join(f"{r}: {', '.join(w)}" for r, w in sorted(missing.items())), pytrace=False)
+    # the scan itself finds each kind of reach it is for, and passes what the package defines itself
+    probe = tmp_path / "probe.py"
+    probe.write_text("import torch_xla\nfrom torch.utils import _pytree\nimport transformers\nfrom accelerate import "
+                     "Accelerator\n\n\nclass A(Accelerator):\n    def _prepare_one(self):\n        self._ours = 1\n"
+                     "        return self._ours, self._theirs, getattr(self, '_also_theirs', None)\n\n\n"
+                     "torch_xla._XLAC._new_fn(1)\ngetattr(torch_xla._XLAC, '_other_fn', None)\n"
+                     "transformers.AutoModel._hidden\n")
+    found = sorted(reach for reach, _ in private_reaches([probe]))
+    assert found == ["?._also_theirs", "?._theirs", "accelerate.Accelerator._prepare_one", "torch.utils._pytree",
+                     "torch_xla._XLAC._new_fn", "torch_xla._XLAC._other_fn", "transformers.AutoModel._hidden"], found
+    assert not _covered("torch_xla._XLAC._new_fn", targets) and _covered("torch_xla._XLAC._get_local_shards", targets)
