@@ -68,7 +68,12 @@ class MasterWeights:
     def sync_params(self) -> None:
         """Copy every fp32 value into its low-precision parameter (after a step or a restore)."""
         for param, master in self.pairs:
-            param.copy_(master)  # copy_ keeps the parameter's sharding
+            # a new tensor, not param.copy_(master): an in-place write makes functionalization regenerate the
+            # parameter's views in the next forward, in another order than in step 1, so step 2's graphs hash
+            # differently from step 1's and XLA compiles them again (issue 46 item 5)
+            low = master.to(self.dtype)
+            _same_sharding(low, param)
+            param.data = low
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         for param, master in self.pairs:
@@ -94,7 +99,8 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> MasterWeights:
                 continue
             seen.add(id(param))
             if param.requires_grad:
-                master = param.detach().clone()
+                # requires_grad: it is what the optimizer trains (create_state makes state only for such tensors)
+                master = param.detach().clone().requires_grad_(True)
                 _same_sharding(master, param)
                 masters.pairs.append((param, master))
                 masters._by_param[id(param)] = master

@@ -84,10 +84,6 @@ GRPO_VARIANTS = {  # engine, devices, extra flags
     # LoRA on 4 devices, TRL's default bf16 and beta=0 (no reference at all)
     "v2-lora": (XLA_V2, 4, ["--use_peft", "--beta", "0.0", "--bf16", "true"]),
 }
-# counted from the end of the step before (tests/scripts/user/grpo.py), v2 compiles 71, 6, 1, 0, 0, 0: step 2's
-# forward (up to TRL's first accelerator.reduce) and backward/optimizer graphs compile again; the count from
-# on_step_begin had missed the update's compile at the next batch fetch (issue 46 item 5)
-V2_RECOMPILES = pytest.mark.xfail(strict=True, reason="issue 46 item 5: v2 compiles graphs in steps 2 and 3")
 
 
 # A new user's run: TRL 1.16's GRPOConfig defaults (per-device batch 8, num_generations 8, bf16, beta 0, lr 1e-6,
@@ -97,7 +93,6 @@ TRL_DEFAULTS = [*XLA_V2, "--use_peft", "--max_steps", "4", "--max_completion_len
                 "--save_strategy", "no", "--disable_tqdm", "true"]
 
 
-@V2_RECOMPILES
 def test_grpo_trl_defaults_on_v2_compile_no_graph_after_step_two(llama, tmp_path_factory):
     """TRL's defaults as a user starts from them (TRL_DEFAULTS): no step after the second compiles anything, counted
     from the end of the step before (a step's optimizer update compiles at the next batch fetch, between steps)."""
@@ -112,8 +107,7 @@ def test_grpo_trl_defaults_on_v2_compile_no_graph_after_step_two(llama, tmp_path
     assert compiles[2:] == [0, 0], (compiles, graphs)
 
 
-@pytest.mark.parametrize("variant", [pytest.param(v, marks=V2_RECOMPILES) if v.startswith("v2") else v
-                                     for v in sorted(GRPO_VARIANTS)])
+@pytest.mark.parametrize("variant", sorted(GRPO_VARIANTS))
 def test_grpo_six_steps_compile_no_graph_after_step_two(llama, tmp_path_factory, variant):
     """GRPO with a Python reward function, rollouts by model.generate on the sharded policy (static KV cache, prompts
     left-padded to a bucket, completions to max_completion_length): every step after the second compiles nothing
