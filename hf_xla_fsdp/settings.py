@@ -5,6 +5,8 @@ Each turns a bad value into one ``ConfigError`` line naming the setting and what
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any, Optional, Union
 
 import torch
@@ -120,3 +122,19 @@ def parse_cache_dir(value: Any, field_name: str = "compilation_cache_dir") -> Op
             raise ConfigError(f"{field_name}={text!r}: the compilation cache needs a local or mounted folder, not a URL")
         return os.path.abspath(os.path.expanduser(text))
     raise ConfigError(f"{field_name}={value!r} must be a folder path, 'auto' or false")
+
+
+def env_number(name: str, fix: str, *, positive: bool = False) -> Optional[float]:
+    """The finite number in environment variable ``name`` (``positive``: above 0), None when unset or blank; one
+    ``ConfigError`` line naming it and ``fix`` otherwise."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"${name}={raw!r} is not a {'positive ' if positive else ''}number; {fix}")
+    return value
+

@@ -66,16 +66,11 @@ class Machine:
 
 def node_timeout() -> float:
     """``$HF_XLA_FSDP_NODE_TIMEOUT`` in seconds (default 30; 0 switches the watch off)."""
-    raw = os.environ.get(ENV_NODE_TIMEOUT, "").strip()
-    if not raw:
-        return DEFAULT_NODE_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        from ..errors import ConfigError
+    from ..settings import env_number
 
-        raise ConfigError(f"${ENV_NODE_TIMEOUT}={raw!r} is not a number of seconds; set it to e.g. 30 (0: no watch)") \
-            from None
+    value = env_number(ENV_NODE_TIMEOUT, "set it to a number of seconds, e.g. 30 (0: no watch)")
+    if value is None:
+        return DEFAULT_NODE_TIMEOUT
     return max(value, 0.0)
 
 

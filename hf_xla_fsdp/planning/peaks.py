@@ -9,11 +9,10 @@ PCIe`` before ``H100``), as the runtime names them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import ConfigError
+from ..settings import env_number
 from .tpu import generation_for_device_kind
 
 #: the peak, in TFLOP/s per device, that replaces the table's (a positive number)
@@ -60,16 +59,10 @@ def gpu_peak(kind: Optional[str]) -> Optional[GpuPeak]:
 
 def override_flops() -> Optional[float]:
     """``$HF_XLA_FSDP_PEAK_TFLOPS`` in FLOP/s, or None when unset; one line when it is not a positive number."""
-    raw = os.environ.get(ENV_PEAK_TFLOPS, "").strip()
-    if not raw:
+    value = env_number(ENV_PEAK_TFLOPS, "set it to the device's dense bf16 peak in TFLOP/s per device, e.g. 989 "
+                       "for an H100 SXM, or unset it", positive=True)
+    if value is None:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"{ENV_PEAK_TFLOPS}={raw!r} is not a positive number of TFLOP/s per device; set it to the "
-                          "device's dense bf16 peak, e.g. 989 for an H100 SXM, or unset it")
     return value * 1e12
 
 
