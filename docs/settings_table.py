@@ -3,10 +3,12 @@
     python docs/settings_table.py            # rewrite the table between its markers in docs/trainer.md
     python docs/settings_table.py --check    # exit 1 if the table is not current (tests/unit/test_docs.py does this)
 
-Every column comes from a field's one description (``hf_xla_fsdp.plugin.setting``): the name and its ``aliases``,
-the default, the engines that honour it (``engines``), whether it is an ``XlaFullyShardedDataParallel`` keyword
-(``fsdp_kwarg``), the ``help`` text and the values an engine refuses (``refused``). Only the links to the guide that
-explains a setting live here (``GUIDE``): they are the docs' navigation, not the setting's description.
+The engines table comes from the engines' declarations (``hf_xla_fsdp.engines.ENGINES``: key, aliases, version,
+title, launchers). Every column of the settings table comes from a field's one description
+(``hf_xla_fsdp.plugin.setting``: the name and its ``aliases``, the default, whether it is an
+``XlaFullyShardedDataParallel`` keyword, the ``help`` text) and from the engines' declarations (the engines that honour
+it, the values an engine refuses). Only the links to the guide that explains a setting live here (``GUIDE``): they are
+the docs' navigation, not the setting's description.
 """
 
 from __future__ import annotations
@@ -49,18 +51,34 @@ def _cell(text: str) -> str:
 
 
 def _refused(field: dataclasses.Field) -> str:
-    from hf_xla_fsdp.plugin import ALL_ENGINES, engine_label
+    from hf_xla_fsdp.config.engines import engine_label, refused
 
     parts = []
-    for key, (values, why) in sorted(field.metadata["refused"].items(), key=lambda kv: ALL_ENGINES.index(kv[0])):
+    for key, (values, why) in refused(field.name).items():
         shown = ", ".join(str(v).lower() if isinstance(v, bool) else str(v).replace("torch.", "") for v in values)
         parts.append(f"refused with {engine_label(key).replace('=', ' ')}: {shown} ({why})")
     return "; ".join(parts)
 
 
+def engine_rows() -> list[str]:
+    """One markdown row per registered engine, in the registry's order (the default's preference)."""
+    from hf_xla_fsdp.engines import ENGINES
+
+    out = []
+    for key, engine in ENGINES.items():
+        shared = {a for other in ENGINES.values() if other is not engine for a in other.aliases}
+        older = [f"`engine: {a}`" + (f" + `version: {engine.version}`" if a in shared else "") for a in engine.aliases]
+        if engine.version is not None:
+            older.append(f"`version: {engine.version}`")
+        launch = ", ".join(f"`{t}`" for t in engine.launchers)
+        out.append(f"| `{key}` | {_cell(engine.title)} | {', '.join(older) or '-'} | {launch} |")
+    return out
+
+
 def rows() -> list[str]:
     """One markdown table row per plugin field, in the fields' order."""
     from hf_xla_fsdp import XlaFsdpPlugin
+    from hf_xla_fsdp.config.engines import honouring
 
     out = []
     for f in dataclasses.fields(XlaFsdpPlugin):
@@ -73,14 +91,16 @@ def rows() -> list[str]:
             means += f"; {refused}"
         if f.name in GUIDE:
             means += f" ([more]({GUIDE[f.name]}))"
-        engines = ", ".join(str(v) for v in meta["engines"])
+        engines = ", ".join(honouring(f.name))
         out.append(f"| {name} | {_default(f.default)} | {engines} | {_cell(means)} |")
     return out
 
 
 def table() -> str:
     """The whole generated block, markers included."""
-    return "\n".join([BEGIN, "", "| setting | default | engines | means |", "|---|---|---|---|", *rows(), "", END])
+    return "\n".join([BEGIN, "", "| engine | what | older spellings | accelerate `distributed_type` |",
+                      "|---|---|---|---|", *engine_rows(), "",
+                      "| setting | default | engines | means |", "|---|---|---|---|", *rows(), "", END])
 
 
 def current(page: str) -> str:

@@ -41,7 +41,7 @@ def _plan_plugin(args: argparse.Namespace) -> "XlaFsdpPlugin":
         changes["engine"] = args.engine
     if args.engine_version is not None:
         changes["version"] = args.engine_version
-        changes.setdefault("engine", "xla")  # an XLA FSDP version is the xla engine, whatever the default
+        changes.setdefault("engine", None)  # the version names the engine, whatever the settings named
     if args.tensor_parallel_size is not None:
         changes["tensor_parallel_size"] = args.tensor_parallel_size
     return dataclasses.replace(plugin, **changes) if changes else plugin
@@ -334,13 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tpu: whose state to count (sgd: torch's plain SGD, no momentum)")
     p.add_argument("--compute-dtype", "--compute_dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="the settings' compute_dtype replaced (default: the settings', float32 without any)")
-    p.add_argument("--engine", default=None, choices=["xla", "fsdp2"],
-                   help="xla (PyTorch/XLA; --fsdp-version picks v1 or v2) or fsdp2 (torch's fully_shard, e.g. on "
-                        "TorchTPU) (default: the settings', xla where torch_xla is installed, else fsdp2)")
-    p.add_argument("--fsdp-version", "--fsdp_version", dest="engine_version", type=int, default=None, choices=[1, 2],
-                   help="XLA FSDP engine: 1 (XlaFullyShardedDataParallel) or 2 (SPMD) (default: the settings', 1 "
-                        "without any)")
-    p.add_argument("--version", dest="engine_version", type=int, choices=[1, 2], action=_DeprecatedVersion,
+    # no argparse choices: the engines are registered in hf_xla_fsdp.engines (importing them imports torch, and
+    # --help stays fast); the plugin checks the value and names every allowed one in its one line
+    p.add_argument("--engine", default=None, metavar="ENGINE",
+                   help="an engine key, as the settings' engine (the engines table of docs/trainer.md; older "
+                        "spellings are accepted; a wrong one is refused with every allowed value) (default: the "
+                        "settings', else the first engine whose runtime is installed)")
+    p.add_argument("--fsdp-version", "--fsdp_version", dest="engine_version", type=int, default=None, metavar="N",
+                   help="the older spelling of an engine, by its version (default: the settings')")
+    p.add_argument("--version", dest="engine_version", type=int, metavar="N", action=_DeprecatedVersion,
                    help=argparse.SUPPRESS)
     p.add_argument("--tensor-parallel-size", "--tensor_parallel_size", type=int, default=None,
                    help="with --tpu, FSDP v2: split blocks over T chips (a replica x fsdp x tensor mesh) (default: "

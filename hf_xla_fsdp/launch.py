@@ -25,6 +25,7 @@ without SPMD, a host that differs) is one line on stderr and exit code 2, before
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .engines.base import Machines
+    from .engines.base import Engine, Machines
 
 logger = logging.getLogger(__name__)
 
@@ -169,13 +170,8 @@ def compare_fingerprints(fingerprints: Sequence[dict[str, Any]]) -> Optional[str
     return None
 
 
-def exchange_fingerprints(fingerprint: dict[str, Any], engine: Any = None) -> list[dict[str, Any]]:
-    """Every process's fingerprint (the engine's runtime's all-gather; the XLA runtime's without an engine); this one
-    alone in a single process."""
-    if engine is None:
-        from .engines.base import Engine
-
-        engine = Engine()
+def exchange_fingerprints(fingerprint: dict[str, Any], engine: "Engine") -> list[dict[str, Any]]:
+    """Every process's fingerprint (the engine's runtime's all-gather); this one alone in a single process."""
     if engine.process_count() <= 1:
         return [fingerprint]
     try:
@@ -186,7 +182,7 @@ def exchange_fingerprints(fingerprint: dict[str, Any], engine: Any = None) -> li
     return [json.loads(p) for p in payloads]
 
 
-def check_pod(fingerprint: dict[str, Any], engine: Any = None) -> None:
+def check_pod(fingerprint: dict[str, Any], engine: "Engine") -> None:
     """Raise the one-line ConfigError of :func:`compare_fingerprints` when a host differs."""
     problem = compare_fingerprints(exchange_fingerprints(fingerprint, engine))
     if problem:
@@ -217,7 +213,7 @@ def _start(plan: dict[str, Any]) -> None:
     run_target(plan["target"], plan["module"], plan["script_args"])
 
 
-def _engine(plan: dict[str, Any]) -> Any:
+def _engine(plan: dict[str, Any]) -> "Engine":
     """The engine the plan's settings select (the default settings' when there are none)."""
     from .engines import engine_for
     from .plugin import XlaFsdpPlugin
@@ -225,8 +221,8 @@ def _engine(plan: dict[str, Any]) -> Any:
     return engine_for(XlaFsdpPlugin.from_dict(plan["settings"] or {}), require_runtime=False)
 
 
-def _spawned(index: int, plan: dict[str, Any]) -> None:
-    """One process of ``xmp.spawn`` (FSDP v1): the same start as a single process."""
+def _spawned(plan: dict[str, Any]) -> None:
+    """One process an engine starts in Python (FSDP v1's ``xmp.spawn``): the same start as a single process."""
     try:
         _start(plan)
     except ConfigError as err:
@@ -330,18 +326,10 @@ def launch(ns: argparse.Namespace) -> int:
     """Run the launch described by parsed arguments; 2 (one line on stderr) for bad input."""
     try:
         plan = prepare(ns)
-        started = (_engine(plan).start_processes(plan["processes"], _child_arguments(ns), plan["machines"])
-                   if plan["spawn"] else None)
-        if started is not None:  # the engine's own launcher ran every process (fsdp2: as torchrun does)
-            return started
-        if plan["spawn"]:
-            if os.environ.get("PJRT_DEVICE", "CPU").upper() == "CPU" and plan["processes"] is not None:
-                os.environ["CPU_NUM_DEVICES"] = str(plan["processes"])  # XLA:CPU's device count is the process count
-            import torch_xla.distributed.xla_multiprocessing as xmp
-
-            xmp.spawn(_spawned, args=(plan,))
-        else:
-            _start(plan)
+        if plan["spawn"]:  # the engine's own start (fsdp2: as torchrun; the XLA engines: xmp.spawn)
+            return _engine(plan).start_processes(plan["processes"], _child_arguments(ns), plan["machines"],
+                                                 functools.partial(_spawned, plan))
+        _start(plan)
     except ConfigError as err:
         print(f"hf-xla-fsdp launch: error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -2,13 +2,14 @@
 transformers' `fsdp_config` (dict or JSON) and from an accelerate YAML's `fsdp_config:` mapping.
 
 Each setting is described once, by its field: its type and default, ``help``, the other spellings
-it is accepted under (``aliases``), whether it is an ``XlaFullyShardedDataParallel`` keyword
-(``fsdp_kwarg``, also accepted inside transformers' ``xla_fsdp_settings``), which engines honour
-it (``engines``) and which values an engine refuses (``refused``). The accepted keys, the aliases,
-the type checks and the "allowed keys" of error messages are all derived from these descriptions,
-so a new setting is one field. The plugin holds settings only: it imports no engine (the session
-resolves the engine from ``version``); :meth:`build`, :meth:`wrap` and :meth:`prepare_optimizer` are forwards to
-:class:`~hf_xla_fsdp.session.XlaFsdpSession`, which does the work.
+it is accepted under (``aliases``) and whether it is an ``XlaFullyShardedDataParallel`` keyword
+(``fsdp_kwarg``, also accepted inside transformers' ``xla_fsdp_settings``). Which engines honour a
+setting and which values an engine refuses are the engines' own declarations (``honours``, ``refuses``
+of :class:`hf_xla_fsdp.engines.base.Engine`), read through :mod:`hf_xla_fsdp.config.engines`. The
+accepted keys, the aliases, the type checks and the "allowed keys" of error messages are all derived
+from these descriptions, so a new setting is one field. The plugin holds settings only: it reads the
+engines' declarations and calls no engine; :meth:`build`, :meth:`wrap` and :meth:`prepare_optimizer`
+are forwards to :class:`~hf_xla_fsdp.session.XlaFsdpSession`, which does the work.
 """
 
 from __future__ import annotations
@@ -21,17 +22,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .config import engines as engine_rules
 from .config import resolve as sources
-from .config.engines import (  # noqa: F401 - re-exported, as before
-    ALL_ENGINES,
-    ENGINE_CHOICES,
-    ENGINE_LAUNCHERS,
-    ENGINE_NAMES,
-    ENGINE_TITLES,
-    XLA_ENGINES,
-    default_engine,
-    engine_label,
-)
+from .config.engines import engine_label
 from .config.keys import normalize, read_accelerate_yaml
 from .errors import ConfigError
 from .modeling.tensor_parallel import parse_plan
@@ -39,6 +32,8 @@ from .settings import check_size, parse_bool, parse_buckets, parse_cache_dir, pa
 
 if TYPE_CHECKING:  # keep torch_xla and transformers out of the import path of config-only users
     from transformers import PretrainedConfig
+
+    from .engines.base import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -48,22 +43,14 @@ CHECKPOINT_STORAGES = ("auto", "shared", "local", "object")  # checkpoint/storag
 # accelerate / torch FSDP spell the same choice with sharding-strategy names
 _SHARDING_ALIASES = {"full_shard": "zero3", "1": "zero3", "shard_grad_op": "zero2", "2": "zero2"}
 
-def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg: bool = False,
-            engines: Sequence[Any] = ALL_ENGINES, minimum: int = 0,
-            refused: Optional[Mapping[Any, tuple[tuple[Any, ...], str]]] = None) -> Any:
-    """A plugin field with its one description (see the module docstring for the keys).
-
-    ``engines`` are the engine keys that honour it (``1``, ``2``: XLA FSDP v1 / v2; ``"fsdp2"``); ``refused`` maps an
-    engine key to the values it cannot honour and why (one line, with the fix).
-    """
+def setting(default: Any, help: str, *, aliases: Sequence[str] = (), fsdp_kwarg: bool = False, minimum: int = 0) -> Any:
+    """A plugin field with its one description (see the module docstring for the keys)."""
     return dataclasses.field(default=default, metadata={
-        "help": help, "aliases": tuple(aliases), "fsdp_kwarg": fsdp_kwarg, "engines": tuple(engines), "minimum": minimum,
-        "refused": dict(refused or {})})
+        "help": help, "aliases": tuple(aliases), "fsdp_kwarg": fsdp_kwarg, "minimum": minimum})
 
 
-_V1 = (1,)
-_NO_FP16 = "has no loss scaling for float16; use bfloat16 or float32"
-_NO_FP16_ON_V2 = {2: ((torch.float16,), f"FSDP v2 {_NO_FP16}"), "fsdp2": ((torch.float16,), f"engine fsdp2 {_NO_FP16}")}
+#: ``version``'s default: what a settings mapping without it means (transformers reads a missing ``xla_fsdp_v2`` so)
+_UNSAID_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -76,12 +63,13 @@ class XlaFsdpPlugin:
     """
 
     engine: Optional[str] = setting(
-        None, "which runtime shards: 'xla' (PyTorch/XLA; `version` picks v1 or v2) or 'fsdp2' (torch's own "
-              "fully_shard over a DeviceMesh of DTensors, one process per device: CPU/gloo, CUDA/NCCL, TorchTPU). "
-              "Default: xla where torch_xla is installed, fsdp2 where it is not (see docs/fsdp2.md)")
-    version: int = setting(1, "XLA FSDP engine (engine='xla'): 1 = XlaFullyShardedDataParallel (one process per "
-                              "device), 2 = SpmdFullyShardedDataParallel (SPMD, one process drives every device)",
-                           minimum=1, engines=XLA_ENGINES)
+        None, "which engine shards: one of the engine keys (the engines table of docs/trainer.md; an older spelling "
+              "is accepted as its alias). Default: the first engine in that table whose runtime is installed, unless "
+              "a setting is given that only another engine honours (see docs/fsdp2.md)")
+    version: int = setting(_UNSAID_VERSION, "the older spelling of an engine: with engine unset or an alias that "
+                                            "several engines share, the engine of this version (the engines table "
+                                            "lists each one's); once resolved, the version of the engine selected",
+                           minimum=1)
     transformer_layer_cls_to_wrap: Optional[list[str]] = setting(
         None, "class names of the blocks that become their own FSDP unit (default: the model's _no_split_modules)")
     min_num_params: int = setting(0, "size-based wrapping instead: every module with at least this many "
@@ -98,38 +86,32 @@ class XlaFsdpPlugin:
         None, "dtype of forward/backward compute, e.g. 'bfloat16'. v1: shards stay fp32, gathered parameters are "
               "cast; v2: parameters are stored in it and the optimizer updates fp32 master copies of the "
               "trainable ones; fsdp2: MixedPrecisionPolicy(param_dtype), fp32 shards and fp32 gradient reduction",
-        fsdp_kwarg=True, refused=_NO_FP16_ON_V2)
+        fsdp_kwarg=True)
     buffer_dtype: Optional[Union[str, torch.dtype]] = setting(
-        None, "dtype of buffers during compute", fsdp_kwarg=True, refused=_NO_FP16_ON_V2)
-    fp32_reduce_scatter: bool = setting(False, "reduce-scatter gradients in fp32", fsdp_kwarg=True, engines=_V1)
+        None, "dtype of buffers during compute", fsdp_kwarg=True)
+    fp32_reduce_scatter: bool = setting(False, "reduce-scatter gradients in fp32", fsdp_kwarg=True)
     reshard_after_forward: bool = setting(True, "free gathered parameters after forward (fsdp2: false keeps each "
                                                 "block's gathered parameters until its backward, as zero2 does)",
-                                          fsdp_kwarg=True, engines=(1, "fsdp2"))
-    flatten_parameters: bool = setting(False, "flatten each unit's parameters into one tensor", fsdp_kwarg=True,
-                                       engines=_V1)
-    execute_sharding_on_init: bool = setting(True, "run the sharding when wrapping", fsdp_kwarg=True, engines=_V1)
-    optimization_barrier_in_forward: bool = setting(True, "XLA optimization barrier in forward", fsdp_kwarg=True,
-                                                    engines=_V1)
-    optimization_barrier_in_backward: bool = setting(True, "XLA optimization barrier in backward", fsdp_kwarg=True,
-                                                     engines=_V1)
-    sync_on_finalization: bool = setting(False, "sync after each backward", fsdp_kwarg=True, engines=_V1)
-    disable_reshard_on_root: bool = setting(True, "keep the root unit's parameters gathered", fsdp_kwarg=True,
-                                            engines=_V1)
+                                          fsdp_kwarg=True)
+    flatten_parameters: bool = setting(False, "flatten each unit's parameters into one tensor", fsdp_kwarg=True)
+    execute_sharding_on_init: bool = setting(True, "run the sharding when wrapping", fsdp_kwarg=True)
+    optimization_barrier_in_forward: bool = setting(True, "XLA optimization barrier in forward", fsdp_kwarg=True)
+    optimization_barrier_in_backward: bool = setting(True, "XLA optimization barrier in backward", fsdp_kwarg=True)
+    sync_on_finalization: bool = setting(False, "sync after each backward", fsdp_kwarg=True)
+    disable_reshard_on_root: bool = setting(True, "keep the root unit's parameters gathered", fsdp_kwarg=True)
     shard_param_on_dim_0: bool = setting(False, "shard parameters along dim 0 instead of flattening",
-                                         fsdp_kwarg=True, engines=_V1)
-    pin_layout_in_collective_ops: bool = setting(True, "pin layouts in collectives", fsdp_kwarg=True, engines=_V1)
-    reduce_scatter_bucket_size_mb: int = setting(0, "bucket reduce-scatters up to this size", fsdp_kwarg=True,
-                                                 engines=_V1)
-    coalesce_all_gather_ops: bool = setting(False, "coalesce all-gathers", fsdp_kwarg=True, engines=_V1)
+                                         fsdp_kwarg=True)
+    pin_layout_in_collective_ops: bool = setting(True, "pin layouts in collectives", fsdp_kwarg=True)
+    reduce_scatter_bucket_size_mb: int = setting(0, "bucket reduce-scatters up to this size", fsdp_kwarg=True)
+    coalesce_all_gather_ops: bool = setting(False, "coalesce all-gathers", fsdp_kwarg=True)
     # explicit sharding group: lets one process build exactly what rank r of N holds
     sharding_groups: Optional[list[list[int]]] = setting(None, "explicit sharding groups (with sharding_rank and "
-                                                               "sharding_world_size)", fsdp_kwarg=True, engines=_V1)
-    sharding_rank: Optional[int] = setting(None, "this process's rank in its sharding group", fsdp_kwarg=True,
-                                           engines=_V1)
-    sharding_world_size: Optional[int] = setting(None, "size of the sharding group", fsdp_kwarg=True, engines=_V1)
+                                                               "sharding_world_size)", fsdp_kwarg=True)
+    sharding_rank: Optional[int] = setting(None, "this process's rank in its sharding group", fsdp_kwarg=True)
+    sharding_world_size: Optional[int] = setting(None, "size of the sharding group", fsdp_kwarg=True)
     replica_size: int = setting(1, "FSDP v2 and fsdp2: devices form a (replica_size, N / replica_size) mesh; parameters "
                                    "are split over the second axis and replicated over the first (hybrid, HSDP, "
-                                   "when > 1)", engines=(2, "fsdp2"), minimum=1)
+                                   "when > 1)", minimum=1)
     tensor_parallel_size: Union[int, str] = setting(
         1, "FSDP v2: devices form a (replica_size, fsdp, T) mesh with fsdp = devices / (replica_size x T); inside each "
            "block attention is split by heads and the MLP by its intermediate dim over the T devices (and the "
@@ -137,11 +119,11 @@ class XlaFsdpPlugin:
            "follows the model family's plan (llama, mistral, gemma, qwen2, gpt2) or tensor_parallel_plan "
            "(see docs/fsdp-v2.md). 'auto': when the model is built, the planner's smallest T whose per-device "
            "memory fits the devices' memory (batch 1, the model's sequence length; 1 when the runtime reports no "
-           "memory limit, as XLA:CPU)", engines=(2,), minimum=1)
+           "memory limit, as XLA:CPU)", minimum=1)
     tensor_parallel_plan: Optional[dict[str, Any]] = setting(
         None, "FSDP v2 with tensor_parallel_size > 1: {param-name glob or 're:regex': axes} replacing the family's "
               "plan; axes has one entry per weight dim: a mesh axis ('replica', 'fsdp', 'tensor'), a list of them or "
-              "null, e.g. {'q_proj.weight': ['tensor', 'fsdp'], 'o_proj.weight': ['fsdp', 'tensor']}", engines=(2,))
+              "null, e.g. {'q_proj.weight': ['tensor', 'fsdp'], 'o_proj.weight': ['fsdp', 'tensor']}")
     checkpoint_format: str = setting("sharded", "what a training checkpoint (the Trainer's checkpoint-N, accelerate's "
                                                 "save_state) holds: 'sharded' (rank files) or 'sharded+consolidated' "
                                                 "(also a from_pretrained-ready copy)")
@@ -173,20 +155,13 @@ class XlaFsdpPlugin:
                "state_dict, checkpoints and every output keep the unrolled model's names, and a checkpoint's model "
                "weights load with or without the setting (the optimizer state only with the same setting). With "
                "activation_checkpointing each layer's activations are recomputed inside the loop. Layers that "
-               "differ (e.g. alternating sliding-window attention) are refused (see docs/compile-time.md)",
-        refused={1: ((True,), "FSDP v1 gathers each block's flat shard in the block's own forward/backward hooks, "
-                              "which cannot run inside a scanned loop body; use version=2 (FSDP v2, SPMD)"),
-                 "fsdp2": ((True,), "scan_layers is torch_xla's scan (one compiled layer), not available on engine "
-                                    "fsdp2; remove it (compile=true compiles each block once for all layers)")})
+               "differ (e.g. alternating sliding-window attention) are refused (see docs/compile-time.md)")
     compile: bool = setting(
         False, "engine fsdp2: torch.compile each wrapped block (after its activation checkpointing, before fully_shard, "
                "as torchtitan does; parameter names unchanged), with inductor on CPU/CUDA (automatic dynamic shapes: the "
                "first change of sequence length compiles once more, later lengths nothing) and TorchTPU's 'tpu' "
                "backend on TPUs (static shapes). Off by default: it costs start-up, measured on the CPU only (see "
-               "docs/fsdp2.md); the Trainer logs graphs_compiled per logging window",
-        engines=("fsdp2",),
-        refused={v: ((True,), "the XLA engines compile every step into XLA graphs already (torch_xla traces them); "
-                              "remove compile, or use engine='fsdp2'") for v in XLA_ENGINES})
+               "docs/fsdp2.md); the Trainer logs graphs_compiled per logging window")
     pad_to_buckets: Union[bool, int, list[int]] = setting(
         True, "XlaFsdpTrainer and XlaFsdpAccelerator's data loaders pad each batch's sequence length up to a few "
               "bucket lengths so varied text compiles a bounded number of graphs (XLA engines; fsdp2 never pads: "
@@ -204,10 +179,10 @@ class XlaFsdpPlugin:
                 put(f.name, parse_bool(getattr(self, f.name), f.name))
             elif f.type == "int":
                 put(f.name, parse_int(getattr(self, f.name), f.name, f.metadata["minimum"]))
-        put("engine", self._resolved_engine())
-        if self.version not in XLA_ENGINES:
-            raise ConfigError(f"version={self.version!r} is not valid; allowed values: "
-                              + ", ".join(f"{v} = {ENGINE_TITLES[v]}" for v in XLA_ENGINES))
+        engine = self._resolved_engine()
+        put("engine", engine.key)
+        if engine.version is not None:
+            put("version", engine.version)
         sharding = str(self.sharding).strip().lower()
         sharding = _SHARDING_ALIASES.get(sharding, sharding)
         if sharding not in _SHARDING:
@@ -244,20 +219,16 @@ class XlaFsdpPlugin:
         check_size(self.consolidate_max_shard_size, "consolidate_max_shard_size")
         put("compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
         put("buffer_dtype", parse_dtype(self.buffer_dtype, "buffer_dtype"))
-        key = self.engine_key
-        for f in dataclasses.fields(self):
-            values, why = f.metadata["refused"].get(key, ((), ""))
-            if getattr(self, f.name) in values:
-                raise ConfigError(f"{f.name}={str(getattr(self, f.name)).replace('torch.', '')} is not available with "
+        key = self.engine
+        for name, (values, why) in engine.refuses.items():
+            if getattr(self, name) in values:
+                raise ConfigError(f"{name}={str(getattr(self, name)).replace('torch.', '')} is not available with "
                                   f"{engine_label(key)}: {why}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        changed = [n for n in self.engine_only_fields(key) if getattr(self, n) != defaults[n]]
+        changed = [n for n in self.engine_only_fields(key) if n in self._changed()]
         if changed:
-            owners = [k for k in ALL_ENGINES
-                      if any(k in f.metadata["engines"] for f in dataclasses.fields(self) if f.name in changed)]
-            named = ["engine=xla"] if owners == list(XLA_ENGINES) else [engine_label(v) for v in owners]
+            owners = dict.fromkeys(k for n in changed for k in engine_rules.honouring(n))
             raise ConfigError(f"{', '.join(changed)} appl{'ies' if len(changed) == 1 else 'y'} to "
-                              f"{' or '.join(named)} only; remove it for {engine_label(key)}")
+                              f"{' or '.join(engine_label(k) for k in owners)} only; remove it for {engine_label(key)}")
         put("tensor_parallel_plan", parse_plan(self.tensor_parallel_plan))
         if str(self.tensor_parallel_size).strip().lower() == "auto":
             put("tensor_parallel_size", "auto")  # resolved by the session once the model and devices are known
@@ -281,25 +252,24 @@ class XlaFsdpPlugin:
                     f"sharding_rank={self.sharding_rank} must be below sharding_world_size={self.sharding_world_size}"
                 )
 
-    def _resolved_engine(self) -> str:
-        """``engine``: one of :data:`ENGINE_CHOICES`; unset, the installed runtime's (:func:`default_engine`), except
-        that settings only XLA FSDP honours (``version=2``, a v1 keyword) select ``xla`` whatever is installed."""
-        engine = self.engine
-        if engine is None:
-            xla_only = [f.name for f in dataclasses.fields(self) if "fsdp2" not in f.metadata["engines"]
-                        and getattr(self, f.name) != f.default]
-            engine = "xla" if xla_only else default_engine()
-        choice = str(engine).strip().lower()
-        if choice not in ENGINE_CHOICES:
-            raise ConfigError(f"engine={engine!r} is not valid; allowed values: "
-                              + ", ".join(repr(c) for c in ENGINE_CHOICES) + " (or leave it unset)")
-        return choice
+    def _changed(self) -> list[str]:
+        """The settings given another value than their default (``version`` is an engine's name, not a setting)."""
+        return [f.name for f in dataclasses.fields(self)
+                if f.name not in ("engine", "version") and getattr(self, f.name) != f.default]
+
+    def _resolved_engine(self) -> "Engine":
+        """The engine ``engine`` (a key or an alias) and ``version`` select; both unset, the default engine
+        (:func:`hf_xla_fsdp.config.engines.default_engine`: the first installed one, unless a setting only another
+        engine honours is given)."""
+        version = None if self.version == _UNSAID_VERSION else parse_int(self.version, "version", 1)
+        if self.engine is None and version is None:
+            return engine_rules.default_engine(self._changed())
+        return engine_rules.select_engine(self.engine, version)
 
     @property
-    def engine_key(self) -> Any:
-        """The key of the engine these settings select: ``version`` (1 or 2) under ``engine="xla"``, else the
-        engine's name (``"fsdp2"``); ``hf_xla_fsdp.engines.ENGINES`` holds the engine of each key."""
-        return self.version if self.engine == "xla" else self.engine
+    def engine_key(self) -> str:
+        """The key of the engine these settings select: ``engine`` once resolved (kept for older callers)."""
+        return self.engine
 
     # ------------------------------------------------------------------ descriptions
     @classmethod
@@ -313,10 +283,9 @@ class XlaFsdpPlugin:
         return [f.name for f in dataclasses.fields(cls) if f.metadata["fsdp_kwarg"]]
 
     @classmethod
-    def engine_only_fields(cls, key: Any) -> list[str]:
-        """Settings that the engine ``key`` (see :attr:`engine_key`) does not honour (they must keep their defaults
-        there)."""
-        return [f.name for f in dataclasses.fields(cls) if key not in f.metadata["engines"]]
+    def engine_only_fields(cls, key: str) -> list[str]:
+        """Settings that the engine ``key`` does not honour (they must keep their defaults there)."""
+        return [f.name for f in dataclasses.fields(cls) if key not in engine_rules.honouring(f.name)]
 
     @classmethod
     def describe(cls) -> dict[str, str]:
@@ -333,9 +302,7 @@ class XlaFsdpPlugin:
     def _normalize(cls, settings: Mapping[str, Any], source: str) -> dict[str, Any]:
         fields = dataclasses.fields(cls)
         return normalize(settings, source, fields={f.name for f in fields}, fsdp_kwargs=cls.fsdp_kwarg_names(),
-                         aliases={alias: f.name for f in fields for alias in f.metadata["aliases"]},
-                         one_process_engines=[v for v, (launchers, _) in ENGINE_LAUNCHERS.items()
-                                              if "NO" in launchers and v in XLA_ENGINES])
+                         aliases={alias: f.name for f in fields for alias in f.metadata["aliases"]})
 
     @classmethod
     def resolve(cls, settings_sources: Sequence[Optional["sources.Source"]]) -> "XlaFsdpPlugin":
@@ -396,7 +363,7 @@ class XlaFsdpPlugin:
     def check_launcher(self, distributed_type: Any, source: str) -> None:
         """Refuse an accelerate ``distributed_type`` the selected engine cannot run under (one line with the fix)."""
         distributed = str(distributed_type).upper()
-        allowed, why = ENGINE_LAUNCHERS[self.engine_key]
+        allowed, why = engine_rules.launchers(self.engine)
         if distributed not in allowed:
             raise ConfigError(f"distributed_type={distributed!r} in {source}: {why}")
 

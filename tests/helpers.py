@@ -145,6 +145,9 @@ def xla_env(*, devices: int | None = 1, env: Mapping[str, str | None] | None = N
     ``devices=None`` leaves CPU_NUM_DEVICES as inherited; in ``env`` a value of None removes the variable.
     """
     out = dict(os.environ, PJRT_DEVICE="CPU", TOKENIZERS_PARALLELISM="false")
+    # an in-process `hf-xla-fsdp consolidate` (cli._no_xla_runtime) sets USE_TORCH_XLA=0 in the test process when it
+    # comes first there; inherited, it would keep transformers off torch_xla in an XLA child
+    out.pop("USE_TORCH_XLA", None)
     if devices is not None:
         # the device count is fixed when the runtime starts: only a fresh process can have another one
         out["CPU_NUM_DEVICES"] = str(devices)

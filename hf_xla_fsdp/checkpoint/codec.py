@@ -70,7 +70,9 @@ class CheckpointCodec(Protocol):
 
     #: the tensor layout of its rank files (``readers.LAYOUT_*``)
     checkpoint_layout: str
-    #: human title, for messages
+    #: name in training records, and human title for messages and model cards (rank files record both, so a
+    #: checkpoint names the engine that wrote it without this package knowing any engine)
+    name: str
     title: str
 
     def rank_world(self, model: nn.Module) -> tuple[int, int]:

@@ -203,15 +203,39 @@ def training_record(log_history: list[dict[str, Any]]) -> dict[str, Any]:
     return record
 
 
+#: the engines' names and titles, for rank files written before they recorded their engine (``engine_name`` /
+#: ``engine_title``, 2026-12): told apart by layout and plugin record as they were then; a newer engine records itself
+_RECORDED_BEFORE = {"flat": ("xla_fsdp_v1", "FSDP v1 (XlaFullyShardedDataParallel)"),
+                    "pieces": ("xla_fsdp_v2", "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"),
+                    "torch": ("fsdp2", "FSDP2 (torch fully_shard, DTensor)")}
+
+
+def _engine_of_record(meta: dict[str, Any], pieces: bool) -> tuple[str, str]:
+    """``(name, title)`` of the engine that wrote a rank file: as it recorded them, else as older files tell."""
+    if meta.get("engine_name"):
+        return meta["engine_name"], meta.get("engine_title") or meta["engine_name"]
+    plugin = meta.get("plugin") or {}
+    # fsdp2 wrote the same piece layout as FSDP v2: the plugin record named the engine
+    return _RECORDED_BEFORE["torch" if plugin.get("engine") == "fsdp2" else "pieces" if pieces else "flat"]
+
+
+def engine_title(info: dict[str, Any]) -> str:
+    """The title of the engine a training record (:func:`training_info`, or an older ``training_info.json`` that
+    holds the name only) names; ``"unknown"`` when it names none."""
+    if info.get("engine_title"):
+        return str(info["engine_title"])
+    return next((title for name, title in _RECORDED_BEFORE.values() if name == info.get("engine")), "unknown")
+
+
 def training_info(ranks: RankSet) -> dict[str, Any]:
-    """How the checkpoint was trained (engine, sharding, world size, dtype, steps, last losses), for model cards."""
+    """How the checkpoint was trained (engine name and title, sharding, world size, dtype, steps, last losses), for
+    model cards."""
     meta = ranks.meta
     if not meta:
-        return {"engine": "xla_fsdp_v1", "world_size": ranks.world_size}
+        name, title = _RECORDED_BEFORE["flat"]
+        return {"engine": name, "engine_title": title, "world_size": ranks.world_size}
     pieces = ranks.layout == LAYOUT_PIECES  # FSDP v2 saves one file per process; its world is the device count
-    plugin = meta.get("plugin") or {}
-    # fsdp2 writes the same piece layout as FSDP v2: the plugin record names the engine
-    engine = "fsdp2" if plugin.get("engine") == "fsdp2" else "xla_fsdp_v2" if pieces else "xla_fsdp_v1"
+    engine, title = _engine_of_record(meta, pieces)
     world = meta.get("devices", ranks.world_size) if pieces else ranks.world_size
     extra = meta.get("extra") or {}
     losses = extra.get("losses") or {}
@@ -221,7 +245,7 @@ def training_info(ranks: RankSet) -> dict[str, Any]:
     for key in ("eval_loss", "eval_dataset"):
         if key in extra:
             metrics[key] = extra[key]
-    return {"engine": engine, "world_size": world, "step": meta.get("step"),
+    return {"engine": engine, "engine_title": title, "world_size": world, "step": meta.get("step"),
             "plugin": meta.get("plugin"), "metrics": metrics}
 
 

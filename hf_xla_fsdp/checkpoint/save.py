@@ -124,6 +124,7 @@ def _snapshot(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], sche
     meta = {"rank": rank, "world_size": world, "run_id": run_id, "step": int(step), **state.meta,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "rng": rng_meta(codec.rng_state()), **_model_meta(model, codec),
+            "engine_name": codec.name, "engine_title": codec.title,
             "plugin": plugin.to_dict() if plugin is not None else None,
             "extra": extra or {}}
     try:

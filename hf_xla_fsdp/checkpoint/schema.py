@@ -39,7 +39,7 @@ _MARKER_KEYS = ("format", "engine", "world_size", "step", "run_id", "storage", "
                 SELF_DIGEST, "gathered_from")
 _RANK_META_KEYS = ("format", "file_id", "tensor_file_bytes", "header_sha256", "checksums", "rank", "world_size",
                    "run_id", "step", "shard_metadata", "engine", "devices", "tensors", "optimizer", "scheduler", "rng",
-                   "model_config", "peft", "plugin", "extra", "dtensor")
+                   "model_config", "peft", "plugin", "extra", "dtensor", "engine_name", "engine_title")
 
 
 def canonical_sha256(obj: Any) -> str:
@@ -302,6 +302,9 @@ def validate_rank_meta(meta: Any, path: Union[str, Path], file_name: Optional[st
             c.fail("'rank'/'world_size'", f"say rank {rank} of {world}, its file name {file_name}")
     if "file_id" in meta:
         c.string(meta["file_id"], "'file_id'")
+    for key in ("engine_name", "engine_title"):  # the engine that wrote it (absent in files from before 2026-12)
+        if key in meta:
+            c.string(meta[key], f"'{key}'")
     if meta.get("tensor_file_bytes") is not None:
         c.integer(meta["tensor_file_bytes"], "'tensor_file_bytes'")
     if "header_sha256" in meta:

@@ -1,18 +1,20 @@
 """The settings vocabularies the plugin reads: transformers' ``fsdp_config`` keys and accelerate's torch-FSDP keys.
 
 Both are mapped onto the plugin's field names here, once; a key with no meaning on XLA is accepted with one logged
-note, one that cannot be honoured is refused with one line. The plugin passes its own field descriptions in, so
-this module imports nothing of ours but the errors and the value parsers.
+note, one that cannot be honoured is refused with one line. The plugin passes its own field descriptions in; what
+transformers' ``xla`` switch and accelerate's ``fsdp_version`` mean is read from the engines' declarations
+(:mod:`.engines`), so no engine is named here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Collection, Mapping, Union
+from typing import Any, Mapping, Union
 
 from ..errors import ConfigError
 from ..settings import parse_bool, parse_int
+from . import engines as engine_rules
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ def _accelerate_key(key: str, value: Any, out: dict[str, Any], source: str) -> b
         if parse_int(value, key, 1) == 2:
             out["_torch_fsdp2"] = True
         else:
-            _note(key, value, "it picks torch's FSDP implementation; `version` picks the XLA FSDP engine", source)
+            _note(key, value, "it picks torch's FSDP implementation; `engine` picks ours", source)
     elif key == "fsdp_offload_params":
         if parse_bool(value, key):
             raise ConfigError(f"{key}=true in {source} cannot be honoured: XLA FSDP keeps parameters on the XLA device "
@@ -93,12 +95,10 @@ def _accelerate_key(key: str, value: Any, out: dict[str, Any], source: str) -> b
 
 
 def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], aliases: Mapping[str, str],
-              fsdp_kwargs: list[str], one_process_engines: Collection[int] = ()) -> dict[str, Any]:
+              fsdp_kwargs: list[str]) -> dict[str, Any]:
     """Map transformers/accelerate spellings onto the plugin's field names; reject anything unknown.
 
-    ``fields``, ``aliases`` (alias -> field) and ``fsdp_kwargs`` describe the plugin (see its field metadata);
-    ``one_process_engines``: the ``version`` values whose engine drives every device from one process (what accelerate's
-    ``fsdp_version: 2`` plus ``distributed_type: NO`` can mean on XLA).
+    ``fields``, ``aliases`` (alias -> field) and ``fsdp_kwargs`` describe the plugin (see its field metadata).
     """
     kwargs = fsdp_kwargs
     out: dict[str, Any] = {}
@@ -143,26 +143,44 @@ def normalize(settings: Mapping[str, Any], source: str, *, fields: set[str], ali
     elif policy == "transformer_based_wrap" and int(out.get("min_num_params") or 0) > 0:
         raise ConfigError(f"fsdp_auto_wrap_policy=TRANSFORMER_BASED_WRAP in {source} conflicts with min_num_params > 0 "
                           "(size-based wrapping); keep one of them")
+    _engine_switches(out, source)
+    return out
+
+
+def _engine_switches(out: dict[str, Any], source: str) -> None:
+    """Apply transformers' ``xla`` switch and accelerate's ``fsdp_version: 2`` to the engine ``out`` names, by the
+    engines' declarations: ``xla: true`` means an engine on torch_xla, ``xla: false`` one that is not, and
+    ``fsdp_version: 2`` the engine that is torch's ``fully_shard`` (unless the settings name an engine that drives
+    every device from one process, which accelerate's ``distributed_type: NO`` launches the same way)."""
     xla, xla_value = out.pop("_xla", (None, None))
     engine = str(out.get("engine") or "").strip().lower()
-    if xla is False and engine != "fsdp2":
+    fsdp2 = engine_rules.torch_fsdp2_engine()
+    on_xla = engine in engine_rules.xla_spellings()
+    if xla is False and not (engine and not on_xla):
         raise ConfigError(f"xla={xla_value!r} in {source}: hf_xla_fsdp configures XLA FSDP; set xla to true (or "
-                          "engine: fsdp2 for torch's FSDP2)")
-    if xla and engine == "fsdp2":
-        raise ConfigError(f"xla={xla_value!r} and engine=fsdp2 in {source} disagree: xla selects PyTorch/XLA, fsdp2 "
-                          "torch's own FSDP2; keep one of them")
+                          f"engine: {fsdp2.key} for torch's FSDP2)")
+    if xla and engine and not on_xla:
+        raise ConfigError(f"xla={xla_value!r} and engine={engine} in {source} disagree: xla selects PyTorch/XLA, "
+                          f"{engine} does not run on it; keep one of them")
     if out.pop("_torch_fsdp2", False):
-        # accelerate's FSDP2 YAML (`accelerate config`: distributed_type FSDP, fsdp_version 2) means torch's fully_shard:
-        # engine fsdp2, unless the settings name an XLA engine that drives every device from one process (a v2 config
-        # that also says fsdp_version: 2 stays v2)
-        if not xla and "version" not in out and engine in ("", "fsdp2"):
-            out["engine"] = "fsdp2"
-        elif int(out.get("version", 1)) not in one_process_engines:
+        # accelerate's FSDP2 YAML (`accelerate config`: distributed_type FSDP, fsdp_version 2) means torch's fully_shard,
+        # unless the settings name an XLA engine that drives every device from one process (a v2 config that also
+        # says fsdp_version: 2 stays v2)
+        if not xla and "version" not in out and engine in ("", fsdp2.key, *fsdp2.aliases):
+            out["engine"] = fsdp2.key
+            return
+        version = out.get("version")
+        try:
+            named = engine_rules.select_engine(engine or None, None if version is None else parse_int(version, "version"))
+        except ConfigError:
+            named = None
+        one_process = engine_rules.one_process_engines()
+        if named not in one_process:
+            spmd = " or ".join(f"engine: {e.key}" for e in one_process)
             raise ConfigError(f"fsdp_version=2 in {source} selects torch's FSDP2 (fully_shard), which does not run on "
-                              "XLA; remove it for XLA FSDP v1 (distributed_type: XLA), set version: 2 with "
-                              "distributed_type: NO for XLA FSDP v2 (SPMD), or engine: fsdp2 (without xla) for torch's "
-                              "FSDP2")
-    return out
+                              f"XLA; remove it for XLA FSDP v1 (distributed_type: XLA), set {spmd} with "
+                              f"distributed_type: NO for XLA FSDP v2 (SPMD), or engine: {fsdp2.key} (without xla) for "
+                              "torch's FSDP2")
 
 
 def _strategy(value: Any, key: str, source: str) -> Any:

@@ -27,13 +27,20 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, TypeVar, Union
 
 from ..errors import ConfigError
 from .keys import read_accelerate_yaml, read_settings_file
 
-if TYPE_CHECKING:
-    from ..plugin import XlaFsdpPlugin
+#: the settings class resolved (``XlaFsdpPlugin``: passed in, so this module below the plugin never imports it)
+PluginT = TypeVar("PluginT")
+
+
+class Settings(Protocol):
+    """What :func:`plugin_source` reads of a plugin (an ``XlaFsdpPlugin``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable settings."""
 
 #: the launcher's settings sources, as JSON, in the environment of the script's processes
 LAUNCH_ENV = "HF_XLA_FSDP_LAUNCH"
@@ -66,7 +73,7 @@ class Source:
         return cls(str(data["name"]), dict(data["settings"]), bool(data.get("selects_engine", True)))
 
 
-def resolve(sources: Sequence[Optional[Source]], plugin_cls: type) -> "XlaFsdpPlugin":
+def resolve(sources: Sequence[Optional[Source]], plugin_cls: type[PluginT]) -> PluginT:
     """The ``plugin_cls`` the ``sources`` describe together (``None`` entries are skipped; no source: the defaults).
 
     Each source is normalized and checked on its own first (its own error names the problem); two sources naming
@@ -129,7 +136,7 @@ def settings_source(name: str, settings: Any) -> Source:
     return Source(name, dict(mapping))
 
 
-def plugin_source(plugin: "XlaFsdpPlugin", name: Optional[str] = None) -> Source:
+def plugin_source(plugin: Settings, name: Optional[str] = None) -> Source:
     """An ``XlaFsdpPlugin`` built in code: it selects its engine and names every setting it does not leave at its
     default (a default value cannot be told from one never given)."""
     defaults = type(plugin)()

@@ -1,39 +1,41 @@
 """The FSDP engines behind one seam: :class:`~.base.Engine`, chosen once per session.
 
-``engine_for(plugin)`` picks the engine a plugin configures (``plugin.engine_key``: ``version`` under
-``engine="xla"``, else the engine's name); the session calls it once and passes the engine on. ``engine_of(model)`` is
-the engine that wrapped a model: every unit an engine makes carries it (``checkpoint.codec.CODEC_ATTR``). Only this
-package knows which engine runs; a new engine is a new module here, one line in ``ENGINES`` and one entry in the
-plugin's ``ENGINE_TITLES``. Importing this package imports neither torch_xla nor any engine's runtime.
+``engine_for(plugin)`` is the engine a plugin selects (``plugin.engine``, one of the keys of ``ENGINES``); the session
+calls it once and passes the engine on. ``engine_of(model)`` is the engine that wrapped a model: every unit an engine
+makes carries it (``checkpoint.codec.CODEC_ATTR``). Only this package knows which engine runs.
+
+Each engine class declares what the rest of the library knows of it (:class:`~.base.Engine`'s declarations: key,
+aliases, name, title, launchers, the settings it honours and refuses); the settings' rules
+(:mod:`hf_xla_fsdp.config.engines`), the CLI's choices, the settings table and model cards derive from ``ENGINES``.
+A new engine is a new module here and one entry in ``ENGINES`` (its order is the preference of the default: the first
+engine whose runtime is installed). Importing this package imports neither torch_xla nor any engine's runtime.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Iterator, Optional
 
 from torch import nn
 
 from ..checkpoint.codec import CODEC_ATTR, RankState, Restored
 from ..errors import ConfigError
-from .base import Engine, PlannedUnit, in_evaluation_mode
+from .base import Engine, EngineSettings, PlannedUnit, in_evaluation_mode
 from .fsdp2 import Fsdp2
 from .v1 import XlaFsdpV1
 from .v2 import XlaFsdpV2
 
-if TYPE_CHECKING:
-    from ..plugin import XlaFsdpPlugin
-
-ENGINES: dict[Any, Engine] = {engine.key: engine for engine in (XlaFsdpV1(), XlaFsdpV2(), Fsdp2())}
+#: every engine by its key, in the order of preference for the default
+ENGINES: dict[str, Engine] = {engine.key: engine for engine in (XlaFsdpV1(), XlaFsdpV2(), Fsdp2())}
 
 
-def engine_for(plugin: "XlaFsdpPlugin", require_runtime: bool = True) -> Engine:
-    """The engine ``plugin.engine_key`` selects (the plugin has validated it already); with ``require_runtime``, one
+def engine_for(plugin: EngineSettings, require_runtime: bool = True) -> Engine:
+    """The engine ``plugin.engine`` selects (the plugin has validated it already); with ``require_runtime``, one
     line when that engine's runtime is not installed (the planner, which runs nothing, passes False)."""
     try:
-        engine = ENGINES[plugin.engine_key]
+        engine = ENGINES[plugin.engine]
     except KeyError:
-        raise ConfigError(f"engine {plugin.engine_key!r} is not valid; allowed values: "
+        raise ConfigError(f"engine={plugin.engine!r} is not valid; allowed values: "
                           + ", ".join(f"{k} = {e.title}" for k, e in ENGINES.items())) from None
     missing = engine.missing_runtime() if require_runtime else None
     if missing:

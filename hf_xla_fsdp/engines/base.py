@@ -8,8 +8,9 @@ tests which engine runs. torch_xla is imported inside methods only.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -17,11 +18,33 @@ from torch import nn
 from ..checkpoint.codec import Collectives, RankState, Restored, tag
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
-    from ..plugin import XlaFsdpPlugin
+__all__ = ["EVALUATION_ATTR", "Engine", "EngineSettings", "Machines", "PlannedUnit", "RankState", "Restored",
+           "host_copies", "host_copy", "in_evaluation_mode"]
 
-__all__ = ["EVALUATION_ATTR", "Engine", "Machines", "PlannedUnit", "RankState", "Restored", "host_copies", "host_copy",
-           "in_evaluation_mode"]
+
+class EngineSettings(Protocol):
+    """What an engine reads of the settings (an :class:`hf_xla_fsdp.plugin.XlaFsdpPlugin`, already validated).
+
+    Engines are typed by what they read, so this package never imports the plugin, not even for annotations: the
+    plugin reads the engines' declarations (:mod:`hf_xla_fsdp.config.engines`), and the layers stay one way.
+    """
+
+    engine: str
+    sharding: str
+    activation_checkpointing: bool
+    compute_dtype: Optional[torch.dtype]
+    buffer_dtype: Optional[torch.dtype]
+    reshard_after_forward: bool
+    flatten_parameters: bool
+    disable_reshard_on_root: bool
+    shard_param_on_dim_0: bool
+    replica_size: int
+    tensor_parallel_size: Union[int, str]
+    tensor_parallel_plan: Any
+    compile: bool
+
+    def fsdp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``XlaFullyShardedDataParallel``."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +73,9 @@ class Machines:
         """True when the launch spans machines (or claims a machine rank other than 0)."""
         return self.count > 1 or self.rank > 0
 
+
+#: why an engine without loss scaling refuses float16 (the fix included)
+NO_FLOAT16 = "has no loss scaling for float16; use bfloat16 or float32"
 
 #: set on every unit of a model wrapped in evaluation mode (inference only: frozen, never given to an optimizer)
 EVALUATION_ATTR = "_hf_xla_fsdp_evaluation_mode"
@@ -99,17 +125,32 @@ def host_copies(tensors: Sequence[torch.Tensor], group_bytes: int = TRANSFER_GRO
     return out
 
 
-class Engine:
-    """What an FSDP engine does; the library's one seam between its two engines (and any later one).
+class Engine(ABC):
+    """What an FSDP engine does; the library's one seam between its engines. Neutral: no runtime is assumed
+    (:class:`~.xla.XlaEngine` holds torch_xla's defaults); the abstract methods are what every engine implements.
 
     It is also the :class:`~hf_xla_fsdp.checkpoint.codec.CheckpointCodec` of the models it wraps: every unit it
     makes is tagged with it, so checkpoints find it without importing this package.
     """
 
-    #: ``plugin.engine_key`` that selects this engine (``version`` for the XLA engines)
-    key: Any = None
-    #: ``plugin.version`` that selects this engine under ``engine="xla"`` (0: not an XLA engine)
-    version: int = 0
+    # ------------------------------------------------------------ declarations: everything the settings, the
+    # launcher check, the CLI, the settings table and model cards know of an engine is derived from these
+    #: the value of the ``engine`` setting that selects it (``plugin.engine`` once resolved)
+    key: ClassVar[str] = ""
+    #: other spellings of ``engine`` that select it; engines sharing an alias are told apart by :attr:`version`
+    aliases: ClassVar[tuple[str, ...]] = ()
+    #: the older ``version`` setting that selects it among the engines sharing an alias (None: no version)
+    version: ClassVar[Optional[int]] = None
+    #: accelerate ``distributed_type`` values it runs under, and the one line when a launch says another
+    launchers: ClassVar[tuple[str, ...]] = ()
+    launcher_fix: ClassVar[str] = ""
+    #: settings of its own: a setting that some engine lists here is honoured by the engines listing it only (the
+    #: others refuse a value other than its default); a setting no engine lists is honoured by every engine
+    honours: ClassVar[frozenset[str]] = frozenset()
+    #: values of a setting it cannot honour, and why (one line with the fix)
+    refuses: ClassVar[Mapping[str, tuple[tuple[Any, ...], str]]] = {}
+    #: accelerate's ``fsdp_version: 2`` (torch's ``fully_shard``) means this engine
+    torch_fsdp2: ClassVar[bool] = False
     #: name in training records and model cards
     name: str = ""
     #: human title for messages and cards
@@ -118,12 +159,16 @@ class Engine:
     checkpoint_layout: str = ""
     #: one process drives every device (SPMD) instead of one process per device
     spmd: bool = False
-    #: the module the engine's runtime lives in (None: torch itself), and the extra that installs it
-    runtime_module: Optional[str] = "torch_xla"
-    runtime_extra: str = "xla"
-    #: the runtime compiles graphs from traced steps: a persistent compilation cache, padded batch shapes and the
-    #: recompilation watch apply (an eager engine needs none of them)
-    compiles_graphs: bool = True
+    #: the module the engine's runtime lives in (None: torch itself), the extra that installs it, and what the line
+    #: saying it is missing offers instead (", or use ...")
+    runtime_module: Optional[str] = None
+    runtime_extra: str = ""
+    runtime_alternative: str = ""
+    #: every step runs as graphs compiled for its input shapes: padded batch shapes and the recompilation watch apply
+    #: (an eager engine needs neither)
+    compiles_graphs: bool = False
+    #: the runtime is XLA's and keeps compiled graphs in its persistent cache (``compilation_cache_dir``)
+    compilation_cache: bool = False
     #: torch's fused optimizer kernels run on its devices (XLA has none: the Trainer's fused AdamW default is unfused)
     fused_optimizers: bool = False
 
@@ -140,64 +185,54 @@ class Engine:
         if found:
             return None
         return (f"{self.title} needs {self.runtime_module}, which is not installed: pip install "
-                f"'hf_xla_fsdp[{self.runtime_extra}]', or use engine='fsdp2' (torch's own FSDP2, no torch_xla)")
+                f"'hf_xla_fsdp[{self.runtime_extra}]'{self.runtime_alternative}")
 
+    @abstractmethod
     def device(self) -> torch.device:
         """The device this process computes on."""
-        from ..runtime import xla_device
 
-        return xla_device()
-
+    @abstractmethod
     def multi_process(self) -> bool:
         """True when several processes of this engine's runtime take part."""
-        from ..runtime import multi_process
 
-        return multi_process()
-
+    @abstractmethod
     def process_index(self) -> int:
         """This process's index among the runtime's processes."""
-        from ..runtime import process_index
 
-        return process_index()
-
+    @abstractmethod
     def process_count(self) -> int:
         """Number of processes of the runtime."""
-        from ..runtime import process_count
 
-        return process_count()
-
+    @abstractmethod
     def gather_bytes(self, payload: bytes, tag: str) -> list[bytes]:
         """Every process's ``payload`` on every process, in process order (every process calls it)."""
-        from ..runtime import all_gather_bytes
-
-        return all_gather_bytes(payload, tag=tag)
 
     # ----------------------------------------------------------------- launching
     def started_by_launcher(self) -> bool:
         """True in a process that a launcher of this engine's processes started (it must not start more)."""
         return False
 
-    def start_processes(self, count: int, launcher_arguments: list[str],
-                        machines: Optional[Machines] = None) -> Optional[int]:
-        """Start ``count`` processes on this host (one of ``machines``), each running ``python -m hf_xla_fsdp.launch
-        *launcher_arguments``, wait for them and return the exit code; None when the engine leaves starting processes
-        to the launcher (``xmp.spawn`` for FSDP v1)."""
-        return None
+    def start_processes(self, count: int, launcher_arguments: list[str], machines: Optional[Machines] = None,
+                        process_main: Optional[Callable[[], None]] = None) -> int:
+        """Start ``count`` processes on this host (one of ``machines``), wait for them and return the exit code.
+
+        Each runs either ``python -m hf_xla_fsdp.launch *launcher_arguments`` (a launcher of separate programs, as
+        torchrun) or ``process_main`` (a launcher of Python functions, as ``xmp.spawn``; it pickles the callable).
+        This default starts nothing: one line for the user, before any work."""
+        raise ConfigError(f"num_processes={count}: {self.title} does not start processes; drop num_processes and "
+                          "start the script with the launcher of its runtime")
 
     def check_machines(self, machines: Machines) -> None:
-        """Refuse, in one line, machine flags the engine cannot honour, before any work. The XLA engines span hosts
-        through the XLA runtime (the same command on every host of a pod), not through a launcher's rendezvous."""
+        """Refuse, in one line, machine flags the engine cannot honour, before any work (this default: any that
+        place the launch on more than one machine)."""
         if machines.several or any("main_process_" in g for g in machines.given):
             what = ", ".join(machines.given) or f"num_machines={machines.count}"
-            raise ConfigError(f"{what}: {self.title} does not start processes across machines; on a TPU pod run the "
-                              "same hf-xla-fsdp launch command on every host without machine flags (the XLA runtime "
-                              "connects them), or choose engine fsdp2 (--fsdp_config '{\"engine\": \"fsdp2\"}') to "
-                              "run torch.distributed across machines")
+            raise ConfigError(f"{what}: {self.title} does not start processes across machines; drop the machine flags")
 
     # ----------------------------------------------------------------- runtime
-    def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
-        """Prepare the XLA runtime before any XLA tensor exists (idempotent); ``what`` names whoever may have used
-        the device first, for the message when it is too late."""
+    def setup_runtime(self, plugin: EngineSettings, what: str = "this process") -> None:
+        """Prepare the engine's runtime before any of its tensors exists (idempotent); ``what`` names whoever may have
+        used the device first, for the message when it is too late."""
 
     def runtime_ready(self, counted_processes: int) -> bool:
         """False when the process layout was fixed before :meth:`setup_runtime` could run (e.g. SPMD too late)."""
@@ -205,11 +240,11 @@ class Engine:
 
     def runtime_too_late(self, what: str) -> str:
         """The one line a script needs when :meth:`runtime_ready` is False (``what`` used the device first)."""
-        return f"{what} started the XLA runtime before {self.title} could set it up"
+        return f"{what} started the runtime before {self.title} could set it up"
 
     def processes_per_host(self, requested: Any) -> Optional[int]:
-        """How many processes a launcher starts on a host (one per device, with xmp.spawn), ``requested`` being what
-        the user asked for; ``None`` (nothing asked): the launcher's own process runs the script."""
+        """How many processes a launcher starts on a host (:meth:`start_processes`), ``requested`` being what the user
+        asked for; ``None`` (nothing asked): the launcher's own process runs the script."""
         if requested is None:
             return None
         from ..settings import parse_int
@@ -217,7 +252,7 @@ class Engine:
         return parse_int(requested, "num_processes", 1)
 
     # ----------------------------------------------------------------- planning (nothing is built: the planner asks)
-    def plan_shards(self, units: Sequence[PlannedUnit], config: Any, devices: int, plugin: "XlaFsdpPlugin",
+    def plan_shards(self, units: Sequence[PlannedUnit], config: Any, devices: int, plugin: EngineSettings,
                     ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
         """What one device holds, by this engine's own sharding rules, when ``units`` (the FSDP units of a meta
         skeleton) are sharded over ``devices``: per unit, the shapes of the pieces one device keeps (one per
@@ -225,11 +260,11 @@ class Engine:
         planner calls exact). ``config`` is the model's (tensor-parallel plans follow its family)."""
         raise NotImplementedError(f"{self.title}: the planner knows no sharding rule of this engine")
 
-    def plan_mesh(self, plugin: "XlaFsdpPlugin", devices: int) -> Optional[dict[str, int]]:
+    def plan_mesh(self, plugin: EngineSettings, devices: int) -> Optional[dict[str, int]]:
         """The device mesh's axis sizes over ``devices`` (``None``: the engine has no mesh)."""
         return None
 
-    def devices_per_sample(self, plugin: "XlaFsdpPlugin") -> int:
+    def devices_per_sample(self, plugin: EngineSettings) -> int:
         """Devices that share each sample (tensor parallelism splits activations over them); 1 for plain FSDP."""
         return 1
 
@@ -237,24 +272,24 @@ class Engine:
         """The engine can split weights inside blocks over a tensor axis (``tensor_parallel_size``)."""
         return False
 
-    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+    def root_stays_gathered(self, plugin: EngineSettings) -> bool:
         """The root unit's parameters stay gathered for the whole step (not re-sharded after forward)."""
         return False
 
-    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+    def compute_dtype_saves_memory(self, plugin: EngineSettings) -> bool:
         """A lower ``compute_dtype`` shrinks what a step holds without adding copies (the planner may suggest it)."""
         return False
 
     # ----------------------------------------------------------------- wrapping
+    @abstractmethod
     def unit_class(self) -> type:
         """The engine's FSDP unit class."""
-        raise NotImplementedError
 
     def inner_wrappers(self) -> tuple[type, ...]:
         """Wrapper classes between a unit and the user's module (removed by :meth:`unwrap`)."""
         return ()
 
-    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool, *,
+    def wrap_block(self, block: nn.Module, plugin: EngineSettings, nested: bool, *,
                    evaluation_mode: bool = False) -> nn.Module:
         """Activation-checkpoint ``block`` if asked, and make it an FSDP unit when ``nested``.
 
@@ -268,7 +303,7 @@ class Engine:
         block = self.checkpoint_block(block, plugin)
         return tag(self.make_unit(block, plugin), self) if nested else block
 
-    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin", *, evaluation_mode: bool = False) -> nn.Module:
+    def wrap_root(self, model: nn.Module, plugin: EngineSettings, *, evaluation_mode: bool = False) -> nn.Module:
         """The outer FSDP unit: shards every parameter no inner unit owns (frozen first in ``evaluation_mode``)."""
         if evaluation_mode:
             model.requires_grad_(False)
@@ -277,32 +312,29 @@ class Engine:
             model.config.use_cache = False  # a KV cache is incompatible with recomputed activations
         return tag(self.make_root(model, plugin), self)
 
-    def _for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def _for_inference(self, unit: nn.Module, plugin: EngineSettings) -> nn.Module:
         unit.__dict__[EVALUATION_ATTR] = True
         self.store_for_inference(unit, plugin)
         return unit
 
-    def store_for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> None:
+    def store_for_inference(self, unit: nn.Module, plugin: EngineSettings) -> None:
         """Store a frozen unit's own shards as it computes with them (``compute_dtype``): an inference-only model
         needs no full-precision copy."""
 
-    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    @abstractmethod
+    def make_unit(self, block: nn.Module, plugin: EngineSettings) -> nn.Module:
         """One FSDP unit around ``block``."""
-        raise NotImplementedError
 
-    def make_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def make_root(self, model: nn.Module, plugin: EngineSettings) -> nn.Module:
         """The root FSDP unit around ``model`` (its blocks may be units already)."""
         return self.make_unit(model, plugin)
 
-    def checkpoint_block(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
-        """``checkpoint_module(block)`` when the plugin asks for activation checkpointing."""
-        if not plugin.activation_checkpointing:
-            return block
-        from torch_xla.distributed.fsdp import checkpoint_module
+    @abstractmethod
+    def checkpoint_block(self, block: nn.Module, plugin: EngineSettings) -> nn.Module:
+        """``block`` with its activations recomputed in backward when the settings ask for activation checkpointing
+        (``block`` itself otherwise)."""
 
-        return checkpoint_module(block)
-
-    def scan_annotations(self, plugin: "XlaFsdpPlugin", model: nn.Module) -> Any:
+    def scan_annotations(self, plugin: EngineSettings, model: nn.Module) -> Any:
         """For ``scan_layers``: a :class:`~hf_xla_fsdp.modeling.scan.ScanAnnotations` (the sharding of stacked
         weights, their per-layer slices and the scan's output)."""
         from ..modeling.scan import ScanAnnotations
@@ -328,15 +360,15 @@ class Engine:
         """What a prepared optimizer may update for ``model``: its parameters (and any stand-ins for them)."""
         return list(model.parameters())
 
-    def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
+    def prepare_loader(self, loader: Any, plugin: EngineSettings) -> Any:
         """An XLA device loader adjusted for this engine (e.g. inputs split over every device)."""
         return loader
 
-    def like_step_output(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> None:
+    def like_step_output(self, tensor: torch.Tensor, plugin: EngineSettings) -> None:
         """Give ``tensor``, a value a training loop carries from step to step (e.g. the Trainer's running loss), the
         annotation a step's outputs come back with, so the first step's graph is the one every later step runs."""
 
-    def whole(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> torch.Tensor:
+    def whole(self, tensor: torch.Tensor, plugin: EngineSettings) -> torch.Tensor:
         """``tensor`` as a value every device holds whole (a gathered result, about to be read on the host); unchanged
         where the devices hold whole values already."""
         return tensor
@@ -357,57 +389,45 @@ class Engine:
         return local
 
     # ----------------------------------------------------------------- names and ranks
+    @abstractmethod
     def rank_world(self, model: nn.Module) -> tuple[int, int]:
         """``(rank, world size)`` as rank files count them."""
-        raise NotImplementedError
 
     def checkpoint_name(self, name: str) -> str:
         """The name a parameter of the wrapped model is saved under in optimizer metadata."""
         return name
 
+    @abstractmethod
     def original_names(self, model: nn.Module) -> dict[str, str]:
         """Wrapped parameter name -> the user's parameter name (a flattened group maps to its flat name)."""
-        raise NotImplementedError
 
     def parameter_origins(self, model: nn.Module) -> dict[str, list[str]]:
         """Wrapped parameter name -> the user's names of every parameter it holds (several for a flat group)."""
         return {name: [orig] for name, orig in self.original_names(model).items()}
 
     # ----------------------------------------------------------------- checkpoints (CheckpointCodec)
+    @abstractmethod
     def rank_state(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> RankState:
         """The tensors (and their metadata) this rank saves for ``model`` and ``optimizer``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def restore(self, ckpt_dir: Any, marker: dict[str, Any], model: nn.Module,
                 optimizer: Optional[torch.optim.Optimizer]) -> Restored:
         """Load model (and optimizer) state saved by this engine, for any saved world size."""
-        raise NotImplementedError
 
+    @abstractmethod
     def sync(self) -> None:
-        """Cut the lazy graph and run it, so pending updates land before values are read."""
-        from ..runtime import sync
+        """Run what is pending on the device, so pending updates land before values are read."""
 
-        sync()
-
+    @abstractmethod
     def rng_state(self) -> Any:
-        """This process's XLA RNG state."""
-        from ..runtime import get_xla_rng_state
+        """This process's device RNG state."""
 
-        return get_xla_rng_state()
-
+    @abstractmethod
     def set_rng_state(self, state: Any) -> None:
         """Restore what :meth:`rng_state` returned."""
-        from ..runtime import set_xla_rng_state
 
-        set_xla_rng_state(state)
-
+    @abstractmethod
     def collectives(self, thread_safe: bool = False) -> Optional[Collectives]:
-        """The XLA runtime's rendezvous between processes (a no-op in one process). XLA collectives belong to the
-        training thread: ``thread_safe`` gives torch.distributed's over a gloo group of their own instead, or None
-        when torch.distributed is not initialized."""
-        from ..runtime import default_barrier, default_gather, thread_safe_collectives
-
-        if not thread_safe:
-            return Collectives(default_barrier, default_gather)
-        safe = thread_safe_collectives()
-        return None if safe is None else Collectives(*safe)
+        """The rendezvous between this engine's processes (a no-op in one process); ``thread_safe``: usable from a
+        thread other than the training thread (None when there is none)."""

@@ -25,7 +25,7 @@ import os
 import sys
 import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -36,10 +36,7 @@ from ..checkpoint.readers import LAYOUT_PIECES, merge_pieces, open_listed, read_
 from ..checkpoint.safetensors_io import dtype_name
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
-from .base import Engine, Machines, host_copy
-
-if TYPE_CHECKING:
-    from ..plugin import XlaFsdpPlugin
+from .base import NO_FLOAT16, Engine, EngineSettings, Machines, host_copy
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +185,7 @@ def mesh_layout(world: int, replicas: int) -> tuple[tuple[int, ...], tuple[str, 
     return (replicas, world // replicas), (REPLICA_AXIS, FSDP_AXIS)
 
 
-def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
+def get_mesh(plugin: EngineSettings) -> Any:
     """The ``DeviceMesh`` of every process (made once per layout; every process must ask for it at the same point)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -262,7 +259,7 @@ def _untied_ends(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def shard_module(module: nn.Module, plugin: "XlaFsdpPlugin", reshard_after_forward: Optional[bool]) -> nn.Module:
+def shard_module(module: nn.Module, plugin: EngineSettings, reshard_after_forward: Optional[bool]) -> nn.Module:
     """``fully_shard(module)`` without ever placing a full parameter on the device.
 
     The parameters ``module`` owns that no inner unit has sharded yet (host tensors: one block, or the root's own)
@@ -390,16 +387,25 @@ class Fsdp2(Engine):
     """torch's FSDP2 (``fully_shard``) over a ``(fsdp,)`` or ``(replica, fsdp)`` DeviceMesh, one process per device."""
 
     key = "fsdp2"
-    version = 0
     name = "fsdp2"
     title = "FSDP2 (torch fully_shard, DTensor)"
+    # torch.distributed processes (accelerate launch / torchrun / hf-xla-fsdp launch start one per device)
+    launchers = ("FSDP", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "NO")
+    launcher_fix = ("engine fsdp2 runs torch.distributed processes, not torch_xla's; set distributed_type: FSDP (or "
+                    "MULTI_CPU / MULTI_GPU, or NO for one process)")
+    honours = frozenset({"reshard_after_forward", "replica_size", "compile"})
+    refuses = {
+        "compute_dtype": ((torch.float16,), f"engine fsdp2 {NO_FLOAT16}"),
+        "buffer_dtype": ((torch.float16,), f"engine fsdp2 {NO_FLOAT16}"),
+        "scan_layers": ((True,), "scan_layers is torch_xla's scan (one compiled layer), not available on engine "
+                                 "fsdp2; remove it (compile=true compiles each block once for all layers)"),
+    }
+    torch_fsdp2 = True
     checkpoint_layout = LAYOUT_PIECES
-    runtime_module = None
-    compiles_graphs = False
     fused_optimizers = True
 
     # ----------------------------------------------------------------- planning
-    def plan_shards(self, units: Any, config: Any, devices: int, plugin: "XlaFsdpPlugin",
+    def plan_shards(self, units: Any, config: Any, devices: int, plugin: EngineSettings,
                     ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
         # fully_shard's rule: dim 0 of every parameter split over the fsdp axis as torch.chunk splits it (the fullest
         # rank holds ceil(rows / fsdp) rows), nothing flattened; a gathered unit holds all its parameters
@@ -407,18 +413,18 @@ class Fsdp2(Engine):
         shards = [[(-(-shape[0] // fsdp), *shape[1:]) if shape else () for _, shape in unit.params] for unit in units]
         return shards, [sum(numel for numel, _ in unit.params) for unit in units]
 
-    def plan_mesh(self, plugin: "XlaFsdpPlugin", devices: int) -> Optional[dict[str, int]]:
+    def plan_mesh(self, plugin: EngineSettings, devices: int) -> Optional[dict[str, int]]:
         shape, _ = mesh_layout(devices, plugin.replica_size)
         return {REPLICA_AXIS: plugin.replica_size, FSDP_AXIS: shape[-1], "tensor": 1}
 
-    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+    def root_stays_gathered(self, plugin: EngineSettings) -> bool:
         return True  # fully_shard keeps the root's parameters from forward to backward (reshard_after_forward=None)
 
-    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+    def compute_dtype_saves_memory(self, plugin: EngineSettings) -> bool:
         return True  # shards stay fp32; gathered units, gradients before reduction and activations take the dtype
 
     # ----------------------------------------------------------------- runtime
-    def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
+    def setup_runtime(self, plugin: EngineSettings, what: str = "this process") -> None:
         from .nodes import die_with_launcher, watch_machines
 
         _refuse_xla_runtime(what)
@@ -470,8 +476,8 @@ class Fsdp2(Engine):
             raise ConfigError(f"{', '.join(flags)}: this process was started by torchrun (or accelerate launch), which "
                               "placed it on its machine already; give the machine flags to one launcher only")
 
-    def start_processes(self, count: int, launcher_arguments: list[str],
-                        machines: Optional[Machines] = None) -> Optional[int]:
+    def start_processes(self, count: int, launcher_arguments: list[str], machines: Optional[Machines] = None,
+                        process_main: Optional[Callable[[], None]] = None) -> int:
         """``count`` processes on this host as torchrun starts them, each ``python -m hf_xla_fsdp.launch`` with the
         same settings: ``torchrun --standalone --nproc_per_node count`` on one machine; on several, ``torchrun --nnodes
         N --node_rank R --master_addr IP --master_port PORT --nproc_per_node count`` (the static rendezvous, as
@@ -507,7 +513,7 @@ class Fsdp2(Engine):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model  # fully_shard works in place: the unit is the user's module
 
-    def wrap_block(self, block: nn.Module, plugin: "XlaFsdpPlugin", nested: bool, *,
+    def wrap_block(self, block: nn.Module, plugin: EngineSettings, nested: bool, *,
                    evaluation_mode: bool = False) -> nn.Module:
         from ..checkpoint.codec import tag
 
@@ -523,7 +529,7 @@ class Fsdp2(Engine):
             block = _compiled(block)
         return tag(shard_module(block, plugin, reshard_after_forward=nested and plugin.reshard_after_forward), self)
 
-    def wrap_root(self, model: nn.Module, plugin: "XlaFsdpPlugin", *, evaluation_mode: bool = False) -> nn.Module:
+    def wrap_root(self, model: nn.Module, plugin: EngineSettings, *, evaluation_mode: bool = False) -> nn.Module:
         if evaluation_mode:  # no backward will come to free the root's gathered parameters: free them after forward
             from ..checkpoint.codec import tag
 
@@ -535,14 +541,14 @@ class Fsdp2(Engine):
             return self._for_inference(tag(shard_module(model, plugin, reshard_after_forward=True), self), plugin).eval()
         return super().wrap_root(model, plugin)
 
-    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def make_unit(self, block: nn.Module, plugin: EngineSettings) -> nn.Module:
         return shard_module(block, plugin, reshard_after_forward=plugin.sharding == "zero3"
                             and plugin.reshard_after_forward)
 
-    def make_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def make_root(self, model: nn.Module, plugin: EngineSettings) -> nn.Module:
         return shard_module(model, plugin, reshard_after_forward=None)  # FSDP2 keeps the root gathered for backward
 
-    def checkpoint_block(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def checkpoint_block(self, block: nn.Module, plugin: EngineSettings) -> nn.Module:
         return _checkpointed(block) if plugin.activation_checkpointing else block
 
     # ----------------------------------------------------------------- training

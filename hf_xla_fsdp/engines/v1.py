@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -32,11 +32,8 @@ from ..checkpoint.readers import (
 )
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
-from .base import Engine, host_copies, host_copy
-
-if TYPE_CHECKING:
-    from ..plugin import XlaFsdpPlugin
-
+from .base import EngineSettings, host_copies, host_copy
+from .xla import XLA_COMPILES, XlaEngine
 
 #: XlaFullyShardedDataParallel pads every flattened shard to a multiple of this many elements (its default
 #: ``shard_size_multiple``; 1 with ``shard_param_on_dim_0``)
@@ -224,13 +221,29 @@ def _free_storage(p: torch.Tensor) -> None:
         torch_xla._XLAC._replace_xla_tensor(p, p.new_zeros(1))
 
 
-class XlaFsdpV1(Engine):
+class XlaFsdpV1(XlaEngine):
     """``XlaFullyShardedDataParallel`` (ZeRO-2 / ZeRO-3) over the replica processes."""
 
-    key = 1
+    key = "xla_v1"
+    aliases = ("xla", "xla_fsdp_v1")  # `engine: xla` with `version: 1` (or none): the spellings before engine keys
     version = 1
     name = "xla_fsdp_v1"
     title = "FSDP v1 (XlaFullyShardedDataParallel)"
+    launchers = ("XLA", "TPU")
+    launcher_fix = "XLA FSDP needs distributed_type: XLA"
+    #: XlaFullyShardedDataParallel's own keywords (passed on unchanged) and the sharding group that lets one process
+    #: build what rank r of N holds
+    honours = frozenset({
+        "fp32_reduce_scatter", "reshard_after_forward", "flatten_parameters", "execute_sharding_on_init",
+        "optimization_barrier_in_forward", "optimization_barrier_in_backward", "sync_on_finalization",
+        "disable_reshard_on_root", "shard_param_on_dim_0", "pin_layout_in_collective_ops",
+        "reduce_scatter_bucket_size_mb", "coalesce_all_gather_ops", "sharding_groups", "sharding_rank",
+        "sharding_world_size"})
+    refuses = {
+        "scan_layers": ((True,), "FSDP v1 gathers each block's flat shard in the block's own forward/backward hooks, "
+                                 "which cannot run inside a scanned loop body; use engine=xla_v2 (FSDP v2, SPMD)"),
+        "compile": ((True,), XLA_COMPILES),
+    }
     checkpoint_layout = LAYOUT_FLAT
     #: build units with :func:`host_sharding_unit_class` (False: stock ``XlaFullyShardedDataParallel``, the
     #: reference the tests compare it with)
@@ -250,10 +263,10 @@ class XlaFsdpV1(Engine):
         """The class units are built with: a subclass of :meth:`unit_class` unless ``host_sharding`` is off."""
         return host_sharding_unit_class() if self.host_sharding else self.unit_class()
 
-    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def make_unit(self, block: nn.Module, plugin: EngineSettings) -> nn.Module:
         return self.construction_class()(block, **plugin.fsdp_kwargs())
 
-    def plan_shards(self, units: Any, config: Any, devices: int, plugin: "XlaFsdpPlugin",
+    def plan_shards(self, units: Any, config: Any, devices: int, plugin: EngineSettings,
                     ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
         # the rule host_shard cuts by (FSDP's _shard_parameters_ / _flatten_and_pad_to_world_size): a parameter, or
         # with flatten_parameters a unit's parameters concatenated, flattened and padded; with shard_param_on_dim_0
@@ -271,13 +284,13 @@ class XlaFsdpV1(Engine):
         # the all-gather's output: every rank's padded shard
         return shards, [devices * sum(math.prod(s) for s in unit) for unit in shards]
 
-    def root_stays_gathered(self, plugin: "XlaFsdpPlugin") -> bool:
+    def root_stays_gathered(self, plugin: EngineSettings) -> bool:
         return plugin.disable_reshard_on_root
 
-    def compute_dtype_saves_memory(self, plugin: "XlaFsdpPlugin") -> bool:
+    def compute_dtype_saves_memory(self, plugin: EngineSettings) -> bool:
         return True  # shards stay fp32; gathered units and activations take the compute dtype
 
-    def store_for_inference(self, unit: nn.Module, plugin: "XlaFsdpPlugin") -> None:
+    def store_for_inference(self, unit: nn.Module, plugin: EngineSettings) -> None:
         # units shard fp32 parameters only, but all-gather each shard cast to compute_dtype; a frozen shard stored
         # in that dtype is gathered unchanged (and takes half the device memory in bf16)
         dtype = plugin.compute_dtype

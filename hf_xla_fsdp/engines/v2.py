@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -24,11 +24,9 @@ from ..checkpoint.safetensors_io import dtype_name
 from ..checkpoint.state import load_optimizer_state, optimizer_meta, optimizer_tensor_key, saved_optimizer
 from ..errors import CheckpointError, ConfigError
 from ..runtime import device_count, process_count, process_index, wait_device_ops
-from .base import Engine, host_copy
+from .base import NO_FLOAT16, EngineSettings, host_copy
 from .master_weights import _same_sharding, attach, cast_parameters, master_weights
-
-if TYPE_CHECKING:
-    from ..plugin import XlaFsdpPlugin
+from .xla import XLA_COMPILES, XlaEngine
 
 FSDP_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
@@ -97,7 +95,7 @@ def mesh_layout(devices: int, replicas: int, tensor: int = 1, noun: str = "devic
     return shape, axes
 
 
-def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
+def get_mesh(plugin: EngineSettings) -> Any:
     """The device mesh over every device, made once per process and set as the global mesh (with
     ``tensor_parallel_size: auto``, the mesh the model was built on).
 
@@ -122,7 +120,7 @@ def get_mesh(plugin: "XlaFsdpPlugin") -> Any:
     return mesh
 
 
-def tensor_parallel(module: nn.Module, plugin: "XlaFsdpPlugin", mesh: Any) -> nn.Module:
+def tensor_parallel(module: nn.Module, plugin: EngineSettings, mesh: Any) -> nn.Module:
     """``module`` on the XLA device with the weights its family's plan (or ``tensor_parallel_plan``) names split
     over the ``tensor`` axis and every other parameter sharded as plain FSDP (see ``modeling.tensor_parallel``), so
     ``SpmdFullyShardedDataParallel``, which skips sharded parameters, only adds its hooks and output annotation."""
@@ -297,17 +295,28 @@ def _stand_ins(model: nn.Module) -> Any:
     return masters.master if masters is not None else None
 
 
-class XlaFsdpV2(Engine):
+class XlaFsdpV2(XlaEngine):
     """``SpmdFullyShardedDataParallel`` over a ``(replica, fsdp)`` mesh of every device, one process."""
 
-    key = 2
+    key = "xla_v2"
+    aliases = ("xla", "xla_fsdp_v2")  # `engine: xla` with `version: 2`; transformers' `xla_fsdp_v2: true` is version 2
     version = 2
     name = "xla_fsdp_v2"
     title = "FSDP v2 (SPMD, SpmdFullyShardedDataParallel)"
+    # accelerate's XLA launcher starts one process per device (xmp.spawn); SPMD needs exactly one
+    launchers = ("NO",)
+    launcher_fix = ("FSDP v2 (SPMD) drives every device from one process; set distributed_type: NO and "
+                    "num_processes: 1 (see examples/xla_fsdp_v2.yaml)")
+    honours = frozenset({"replica_size", "tensor_parallel_size", "tensor_parallel_plan"})
+    refuses = {
+        "compute_dtype": ((torch.float16,), f"FSDP v2 {NO_FLOAT16}"),
+        "buffer_dtype": ((torch.float16,), f"FSDP v2 {NO_FLOAT16}"),
+        "compile": ((True,), XLA_COMPILES),
+    }
     checkpoint_layout = LAYOUT_PIECES
     spmd = True
 
-    def setup_runtime(self, plugin: "XlaFsdpPlugin", what: str = "this process") -> None:
+    def setup_runtime(self, plugin: EngineSettings, what: str = "this process") -> None:
         enable_spmd(what=what)
 
     def runtime_ready(self, counted_processes: int) -> bool:
@@ -319,7 +328,7 @@ class XlaFsdpV2(Engine):
     def runtime_too_late(self, what: str) -> str:
         return SPMD_TOO_LATE.format(what=what)
 
-    def plan_shards(self, units: Any, config: Any, devices: int, plugin: "XlaFsdpPlugin",
+    def plan_shards(self, units: Any, config: Any, devices: int, plugin: EngineSettings,
                     ) -> tuple[list[list[tuple[int, ...]]], list[int]]:
         # the rules of the wrap (make_unit / tensor_parallel, modeling.tensor_parallel.apply_plan); XLA pads an uneven
         # split, so every device allocates ceil(dim / split) of each split dim
@@ -353,12 +362,12 @@ class XlaFsdpV2(Engine):
             gathered.append(held)
         return shards, gathered
 
-    def plan_mesh(self, plugin: "XlaFsdpPlugin", devices: int) -> Optional[dict[str, int]]:
+    def plan_mesh(self, plugin: EngineSettings, devices: int) -> Optional[dict[str, int]]:
         tensor = plugin.tensor_parallel_size
         return {REPLICA_AXIS: plugin.replica_size, FSDP_AXIS: devices // (plugin.replica_size * tensor),
                 TENSOR_AXIS: tensor}
 
-    def devices_per_sample(self, plugin: "XlaFsdpPlugin") -> int:
+    def devices_per_sample(self, plugin: EngineSettings) -> int:
         return plugin.tensor_parallel_size
 
     def splits_tensors(self) -> bool:
@@ -373,13 +382,13 @@ class XlaFsdpV2(Engine):
     def unit_class(self) -> type:
         return spmd_class()
 
-    def make_unit(self, block: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def make_unit(self, block: nn.Module, plugin: EngineSettings) -> nn.Module:
         mesh = get_mesh(plugin)
         if plugin.tensor_parallel_size > 1:
             block = tensor_parallel(block, plugin, mesh)
         return spmd_class()(block, mesh=mesh, shard_output=shard_output)
 
-    def make_root(self, model: nn.Module, plugin: "XlaFsdpPlugin") -> nn.Module:
+    def make_root(self, model: nn.Module, plugin: EngineSettings) -> nn.Module:
         from ..runtime import xla_device
 
         # FSDPv2 moves the module with .to(), which makes new Parameters and unties lm_head from the
@@ -403,7 +412,7 @@ class XlaFsdpV2(Engine):
                         buf.data = buf.data.to(plugin.buffer_dtype)
         return wrapped
 
-    def scan_annotations(self, plugin: "XlaFsdpPlugin", model: nn.Module) -> Any:
+    def scan_annotations(self, plugin: EngineSettings, model: nn.Module) -> Any:
         from ..modeling.scan import ScanAnnotations
 
         mesh = get_mesh(plugin)
@@ -436,7 +445,7 @@ class XlaFsdpV2(Engine):
 
         return Annotations()
 
-    def like_step_output(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> None:
+    def like_step_output(self, tensor: torch.Tensor, plugin: EngineSettings) -> None:
         import torch_xla.distributed.spmd as xs
 
         # an SPMD step's outputs come back annotated (a scalar: replicated); a carried tensor created unannotated
@@ -444,7 +453,7 @@ class XlaFsdpV2(Engine):
         if tensor.device.type == "xla" and not sharding_spec(tensor):
             xs.mark_sharding(tensor, get_mesh(plugin), (None,) * tensor.dim())
 
-    def whole(self, tensor: torch.Tensor, plugin: "XlaFsdpPlugin") -> torch.Tensor:
+    def whole(self, tensor: torch.Tensor, plugin: EngineSettings) -> torch.Tensor:
         import torch_xla.distributed.spmd as xs
 
         if tensor.device.type != "xla" or sharding_spec(tensor) == "{replicated}":
@@ -468,7 +477,7 @@ class XlaFsdpV2(Engine):
         masters = master_weights(model)  # low-precision parameters are updated through their fp32 copies
         return [*model.parameters(), *(master for _, master in (masters.pairs if masters is not None else []))]
 
-    def prepare_loader(self, loader: Any, plugin: "XlaFsdpPlugin") -> Any:
+    def prepare_loader(self, loader: Any, plugin: EngineSettings) -> Any:
         return shard_loader_inputs(loader, get_mesh(plugin))
 
     def rank_world(self, model: nn.Module) -> tuple[int, int]:

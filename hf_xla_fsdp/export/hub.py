@@ -14,10 +14,9 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..checkpoint.consolidate import TRAINING_INFO, consolidate
+from ..checkpoint.consolidate import TRAINING_INFO, consolidate, engine_title
 from ..checkpoint.layout import check_output, prepare_output, publish
 from ..checkpoint.safetensors_io import SafetensorsReader
-from ..config.engines import ENGINE_NAMES, ENGINE_TITLES
 from ..errors import ConfigError, PushError
 
 __all__ = ["PushError", "count_parameters", "export", "push_folder", "render_card", "template_text"]
@@ -32,11 +31,6 @@ def template_text() -> str:
     from importlib.resources import files
 
     return files("hf_xla_fsdp").joinpath("templates", "model_card.md").read_text(encoding="utf-8")
-
-
-# training records name the engine; its title comes from the table of engines (config/engines.py) (the engines themselves are
-# not imported here: no XLA runtime)
-_ENGINE_TITLES = {ENGINE_NAMES[version]: title for version, title in ENGINE_TITLES.items()}
 
 
 def _is_consolidated(path: Path) -> bool:
@@ -104,7 +98,7 @@ def render_card(directory: Path, *, model_name: str, license: Optional[str] = No
         data, template_str=template_text(), model_name=model_name,
         model_type_title=config.get("model_type", "transformers").capitalize(),
         num_parameters=num_params, num_parameters_human=_human(num_params),
-        engine=_ENGINE_TITLES.get(info.get("engine"), "unknown"),
+        engine=engine_title(info),  # what the rank files recorded
         sharding={"zero3": "ZeRO-3 (nested units per block + root)", "zero2": "ZeRO-2 (root unit only)"}.get(sharding, "unknown"),
         world_size=info.get("world_size", "unknown"), compute_dtype=plugin.get("compute_dtype") or "float32",
         activation_checkpointing="yes" if plugin.get("activation_checkpointing") else ("no" if plugin else "unknown"),

@@ -325,7 +325,8 @@ def plan_tpu(source: Any, plugin: "XlaFsdpPlugin", tpu: str, *, batch_size: int 
         "model": m.class_name, "total_params": m.total_params,
         "tpu": {"slice": slc.name, "chips": slc.chips, "hbm_per_chip": hbm, "source": slc.generation.source},
         "mesh": here["mesh"],
-        "settings": {"engine": plugin.engine, "version": plugin.version, "sharding": plugin.sharding, "optimizer": optimizer,
+        "settings": {"engine": plugin.engine, "engine_title": engine_for(plugin, require_runtime=False).title,
+                     "version": plugin.version, "sharding": plugin.sharding, "optimizer": optimizer,
                      "batch_size_per_chip": batch_size, "seq_len": seq, "activation_checkpointing": ckpt,
                      "compute_dtype": str(compute or torch.float32).removeprefix("torch."),
                      "flatten_parameters": plugin.flatten_parameters,
@@ -457,7 +458,7 @@ def format_plan(report: dict[str, Any]) -> str:
         f"{t['hbm_per_chip'] / GIB:.0f} GiB HBM",
         *([f"mesh: replica {report['mesh']['replica']} x fsdp {report['mesh']['fsdp']} x tensor "
            f"{report['mesh']['tensor']}"] if report.get("mesh") else []),
-        f"settings: {'FSDP2' if s.get('engine') == 'fsdp2' else 'FSDP v' + str(s['version'])} {s['sharding']}, "
+        f"settings: {s.get('engine_title') or s.get('engine')} {s['sharding']}, "
         f"{s['optimizer']}, batch {s['batch_size_per_chip']}/"
         f"{'chip' if s.get('tensor_parallel_size', 1) == 1 else str(s['tensor_parallel_size']) + ' chips'} x "
         f"{s['seq_len']} tokens, compute {s['compute_dtype']}, activation checkpointing "

@@ -39,8 +39,8 @@ def ready_runtime(plugin: "XlaFsdpPlugin", *, what: str = "this process", counte
             state.runtime_ready.add(engine.name)
             state.runtime_setups += 1
         # before the first compile; the first plugin's folder stands (a later plugin's other folder is said once);
-        # an engine that compiles nothing (fsdp2) has no cache
-        if engine.compiles_graphs:
+        # only XLA's runtime keeps such a cache (an engine without one: nothing to set up)
+        if engine.compilation_cache:
             compile_cache.setup(plugin.compilation_cache_dir, engine.process_index)
 
 

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -28,7 +28,19 @@ from ..checkpoint.layout import CheckpointSeries
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .session import XlaFsdpSession
+    from ..engines.base import Engine
+    from ..plugin import XlaFsdpPlugin
+
+
+class Owner(Protocol):
+    """What the checkpoint side reads of the session that owns it (an ``XlaFsdpSession``, which holds this object:
+    typed by what is read, so this module never names the session's)."""
+
+    plugin: "XlaFsdpPlugin"
+    engine: "Engine"
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside the FSDP units."""
 
 PathLike = Union[str, os.PathLike]
 _OBJECT_PREFIX = "custom_checkpoint_"  # accelerate's file names for registered objects' states
@@ -53,7 +65,7 @@ class CheckpointManager:
     torch.distributed instead.
     """
 
-    def __init__(self, session: "XlaFsdpSession", barrier: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(self, session: Owner, barrier: Optional[Callable[[str], None]] = None) -> None:
         self.session = session
         self.barrier = barrier
         self.mode = AsyncMode.ASYNC if session.plugin.async_save else AsyncMode.SYNC

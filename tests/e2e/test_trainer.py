@@ -197,7 +197,7 @@ def test_meta_built_model_is_wrapped_once_and_introspected(tmp_path, llama_confi
     from hf_xla_fsdp.engines import ENGINES, fsdp_units, unwrap
 
     def fsdp_class():
-        return ENGINES[1].unit_class()
+        return ENGINES["xla_v1"].unit_class()
 
     step_before = xm.optimizer_step
     args = make_args(tmp_path, {"xla": True, "xla_fsdp_grad_ckpt": True, "meta_init": True}, weight_decay=0.1)

@@ -76,7 +76,7 @@ def test_bf16_parameters_with_fp32_copies_under_scan(slow_reports):
 
 
 def test_scan_layers_on_fsdp_v1_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="scan_layers.*version=2") as err:
+    with pytest.raises(ConfigError, match="scan_layers.*engine=xla_v2") as err:
         XlaFsdpPlugin(version=1, scan_layers=True)
     assert "\n" not in str(err.value)
 

@@ -104,7 +104,7 @@ def test_save_resume_consolidate_from_pretrained(trained_on_four):
 
 
 def test_v2_settings_are_validated():
-    with pytest.raises(ConfigError, match="compute_dtype=float16 is not available with version=2: .* use bfloat16"):
+    with pytest.raises(ConfigError, match="compute_dtype=float16 is not available with engine=xla_v2: .* use bfloat16"):
         XlaFsdpPlugin(version=2, compute_dtype="fp16")
     assert XlaFsdpPlugin(version=2, compute_dtype="bf16").compute_dtype is torch.bfloat16
 
@@ -126,7 +126,7 @@ def test_bf16_on_four_devices_trains_like_fp32_and_resumes_exactly(trained_on_fo
     # the checkpoint holds the fp32 masters: resuming reproduces the uninterrupted run bit for bit
     assert bf16["resumed"] == bf16["losses"][6:] and fp32["resumed"] == fp32["losses"][6:]
     assert bf16["saved_dtypes"] == ["float32"]
-    with pytest.raises(ConfigError, match="flatten_parameters applies to version=1"):
+    with pytest.raises(ConfigError, match="flatten_parameters applies to engine=xla_v1"):
         XlaFsdpPlugin(version=2, flatten_parameters=True)
     assert XlaFsdpPlugin.from_fsdp_config({"xla": True, "xla_fsdp_v2": True}).version == 2
     with pytest.raises(ConfigError, match="replica_size=0 must be an integer >= 1"):

@@ -70,7 +70,7 @@ def test_compile_is_engine_fsdp2s_and_refused_on_the_xla_engines_in_one_line():
     assert XlaFsdpPlugin.from_fsdp_config({"engine": "fsdp2", "compile": True}).compile is True  # benchmarks/peers.py
     for version in (1, 2):
         with pytest.raises(ConfigError, match=r"^compile=True is not available with .*the XLA engines compile every "
-                                              r"step into XLA graphs already .*remove compile, or use engine='fsdp2'$"):
+                                              r"step into XLA graphs already .*remove compile, or use engine=fsdp2$"):
             XlaFsdpPlugin(engine="xla", version=version, compile=True)
 
 
@@ -89,7 +89,7 @@ def test_the_engine_is_registered_under_its_key_and_imports_no_runtime():
 
     engine = engine_for(XlaFsdpPlugin(engine="fsdp2"))
     assert ENGINES["fsdp2"] is engine and engine.runtime_module is None and not engine.compiles_graphs
-    assert engine.checkpoint_layout == ENGINES[2].checkpoint_layout  # the pieces layout: XLA v2 <-> fsdp2 resumes
+    assert engine.checkpoint_layout == ENGINES["xla_v2"].checkpoint_layout  # the pieces layout: XLA v2 <-> fsdp2 resumes
 
 
 class _File:

@@ -80,8 +80,9 @@ class _ImportCollector(ast.NodeVisitor):
     """Every import of a module, wherever it sits (lazy ones inside functions count), except
     under ``if TYPE_CHECKING:``, which never runs."""
 
-    def __init__(self, package: str) -> None:
+    def __init__(self, package: str, type_checking: bool = False) -> None:
         self.package = package
+        self.type_checking = type_checking  # also the imports under ``if TYPE_CHECKING:`` (what a type checker follows)
         self.scope_depth = 0  # >0 inside a def or class: a ``__getattr__`` there is not the module's hook
         self.in_hook = False
         self.sites: list[ImportSite] = []
@@ -108,7 +109,7 @@ class _ImportCollector(ast.NodeVisitor):
         self.generic_visit(node)
 
     def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
+        if _is_type_checking(node.test) and not self.type_checking:
             for child in node.orelse:  # the else branch does run
                 self.visit(child)
             return
@@ -126,10 +127,11 @@ class _ImportCollector(ast.NodeVisitor):
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _visit_scope
 
 
-def collect_imports(path: Path, module: str) -> list[ImportSite]:
-    """Every import in one file of the package named ``module``."""
+def collect_imports(path: Path, module: str, type_checking: bool = False) -> list[ImportSite]:
+    """Every import in one file of the package named ``module`` (with ``type_checking``, those under
+    ``if TYPE_CHECKING:`` too)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    collector = _ImportCollector(package)
+    collector = _ImportCollector(package, type_checking)
     collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
     return collector.sites
 
@@ -154,14 +156,14 @@ def run_by_import(target: str, source: str) -> list[str]:
     return [p for p in _ancestors(target)[1:] if p not in own] + [target]
 
 
-def import_graph(modules: dict[str, Path]) -> Graph:
+def import_graph(modules: dict[str, Path], type_checking: bool = False) -> Graph:
     """Edges between the package's own modules; ``from X import n`` goes to ``X.n`` when that is a module.
 
     Importing a submodule runs its package's ``__init__`` first, so an import of ``pkg.sub.mod`` is an edge to
     ``pkg.sub`` too (see :func:`run_by_import`): a cycle through what a package ``__init__`` imports counts."""
     graph: Graph = {name: {} for name in modules}
     for source, path in modules.items():
-        for site in collect_imports(path, source):
+        for site in collect_imports(path, source, type_checking):
             if site.in_getattr_hook:
                 continue  # a lazy re-export hook runs after the package finished importing
             targets = [f"{site.module}.{n}" if f"{site.module}.{n}" in modules else site.module
@@ -246,12 +248,25 @@ def format_cycles(graph: Graph, cycles: list[list[str]], limit: int = MAX_CYCLES
 
 def test_import_graph_has_no_cycle() -> None:
     """No cycle among the imports that can run: module-level and function-level ones, with the package ``__init__``s
-    an import runs (:func:`import_graph`). ``if TYPE_CHECKING:`` imports never run and are left out: counted, the
-    annotations that name ``XlaFsdpPlugin`` in the session, engines, modeling and planning close a cycle with the
-    plugin's forwards (``build`` / ``wrap`` import the session when called), which is no import order problem."""
+    an import runs (:func:`import_graph`)."""
     modules = discover_modules()
     assert PACKAGE in modules, f"no {PACKAGE_DIR / '__init__.py'}"
     graph = import_graph(modules)
+    cycles = simple_cycles(graph)
+    if cycles:
+        pytest.fail(format_cycles(graph, cycles), pytrace=False)
+
+
+def test_no_cycle_with_the_imports_of_annotations_either() -> None:
+    """The layers stay a one-way order for a type checker too: counted with the ``if TYPE_CHECKING:`` imports, the
+    graph has no cycle. The only imports left out are the plugin's forwards (``build`` / ``wrap`` /
+    ``prepare_optimizer`` hand over to a session, see :func:`plugin_forward_sites`). Lower modules name what they read
+    of a higher one with a Protocol (e.g. ``engines.base.EngineSettings``, ``session.checkpoints.Owner``)."""
+    graph = import_graph(discover_modules(), type_checking=True)
+    forwards = plugin_forward_sites()
+    plugin = f"{PACKAGE}.plugin"
+    graph[plugin] = {t: kept for t, sites in graph[plugin].items()
+                     for kept in [[s for s in sites if s not in forwards]] if kept}
     cycles = simple_cycles(graph)
     if cycles:
         pytest.fail(format_cycles(graph, cycles), pytrace=False)
@@ -297,24 +312,43 @@ def test_the_plugin_imports_no_layer_above_it_but_in_its_forwards() -> None:
     assert forwards, "the plugin's forwards import nothing: drop the allowance in plugin_forward_sites"
 
 
+#: the settings' one door to the engines: what they declare (key, aliases, title, launchers, honoured and refused
+#: settings), read from the registry; nothing else of the settings layer imports an engine
+DECLARATIONS = f"{PACKAGE}.config.engines"
+DECLARED_NAMES = {"ENGINES", "Engine"}  # all it imports from engines/: the registry and the class that declares
+
+
 @pytest.mark.parametrize("layer", [f"{PACKAGE}.checkpoint", f"{PACKAGE}.plugin", f"{PACKAGE}.config",
                                    f"{PACKAGE}.modeling", f"{PACKAGE}.export"])
 def test_lower_layers_never_reach_an_engine(layer: str) -> None:
     """Data flows one way (config -> plugin -> session -> engine -> ... -> checkpoint -> export): checkpoints, settings,
-    model construction and export never import an engine, directly or through anything they import. The plugin's
-    forwards (``build``, ``wrap``, ``prepare_optimizer``) hand its work to a session, which is where engines come in:
-    their imports, and only theirs, are left out (any other import of the plugin still counts)."""
+    model construction and export never import an engine, directly or through anything they import. Two kinds of
+    import are left out, and only they: the plugin's forwards (``build``, ``wrap``, ``prepare_optimizer`` hand its
+    work to a session, which is where engines come in), and :data:`DECLARATIONS` reading the registry (the settings
+    derive their rules from what engines declare; :func:`test_the_settings_read_only_the_engines_declarations`)."""
     modules = discover_modules()
     graph = import_graph(modules)
     plugin = f"{PACKAGE}.plugin"
     forwards = plugin_forward_sites()
     graph[plugin] = {t: kept for t, sites in graph[plugin].items()
                      for kept in [[s for s in sites if s not in forwards]] if kept}
+    graph[DECLARATIONS] = {t: sites for t, sites in graph[DECLARATIONS].items() if not t.startswith(f"{PACKAGE}.engines")}
     starts = [m for m in modules if m == layer or m.startswith(layer + ".")]
     for start in starts:
         engines = [(m, chain) for m, chain in _reachable(graph, start).items() if m.startswith(f"{PACKAGE}.engines")]
         if engines:
             pytest.fail(f"{start} reaches {engines[0][0]}: {' -> '.join(engines[0][1])}", pytrace=False)
+
+
+def test_the_settings_read_only_the_engines_declarations() -> None:
+    """:data:`DECLARATIONS` imports the registry and the declaring class, nothing else of engines/ (no engine module,
+    no function that runs an engine)."""
+    path = PACKAGE_DIR / "config" / "engines.py"
+    sites = [s for s in collect_imports(path, DECLARATIONS, type_checking=True) if s.module.startswith(f"{PACKAGE}.engines")]
+    assert sites, f"{DECLARATIONS} no longer reads the registry: drop DECLARATIONS' allowance"
+    bad = [f"{s.module}: {', '.join(s.names) or '(module)'} (line {s.line})" for s in sites
+           if s.module not in (f"{PACKAGE}.engines", f"{PACKAGE}.engines.base") or not set(s.names) <= DECLARED_NAMES]
+    assert not bad, f"{_shown(path)} imports more of engines/ than the declarations:\n  " + "\n  ".join(bad)
 
 
 def test_trainer_and_accelerate_glue_stays_within_700_lines() -> None:
@@ -404,6 +438,60 @@ def test_only_the_engines_test_which_engine_runs(tmp_path: Path) -> None:
     probe.write_text("from hf_xla_fsdp.engines.v2 import enable_spmd\nif plugin.version == 2:\n    pass\n"
                      "if int(cfg.get('version', 1)) != 2:\n    pass\nENGINES[1]\nengine.spmd\n")
     assert [hit.split(":")[1] for hit in engine_tests(probe)] == ["1", "2", "4", "6"]
+
+
+#: string constants outside engines/ that equal an engine's spelling but do not name the engine, with why
+SPELLED_ELSEWHERE = {
+    ("checkpoint/readers.py", "xla_fsdp_v1"): "the flat tensor layout's id in every rank file since the first format",
+    ("checkpoint/schema.py", "xla_fsdp_v1"): "the same layout id (what a file without one means)",
+    ("config/keys.py", "xla_fsdp_v2"): "transformers' fsdp_config key (its vocabulary, mapped onto `version`)",
+    ("config/training_args.py", "xla_fsdp_v2"): "transformers' fsdp_config key, as TrainingArguments fills it in",
+    ("checkpoint/consolidate.py", "xla_fsdp_v1"): "rank files written before they recorded their engine (2026-12)",
+    ("checkpoint/consolidate.py", "xla_fsdp_v2"): "rank files written before they recorded their engine (2026-12)",
+    ("checkpoint/consolidate.py", "fsdp2"): "rank files written before they recorded their engine (2026-12)",
+}
+
+
+def engine_spellings() -> set[str]:
+    """Every key, alias and record name of the registered engines, but ``xla``: that is also torch's device type and
+    transformers' ``fsdp_config`` switch, which code outside engines/ compares with as such."""
+    from hf_xla_fsdp.engines import ENGINES
+
+    out = {s for e in ENGINES.values() for s in (e.key, e.name, *e.aliases)}
+    return {s for s in out if s} - {"xla"}
+
+
+def spelled_engines(path: Path, spellings: set[str]) -> Iterator[tuple[str, int]]:
+    """``(spelling, line)`` for every string constant in ``path`` that is an engine's spelling (any case)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.strip().lower() in spellings:
+            yield node.value.strip().lower(), node.lineno
+
+
+def test_no_engine_is_spelled_outside_the_engines(tmp_path: Path) -> None:
+    """An engine's key, alias or name written as a value outside engines/ (``plugin.engine == "fsdp2"``, a table keyed
+    by engine) is engine knowledge in the wrong place: the code asks the engine, or derives from ``ENGINES``
+    (config/engines.py). Help texts and messages may mention an engine in prose; a constant that is exactly its
+    spelling fails, but for :data:`SPELLED_ELSEWHERE`, each with its reason (and an allowance no longer used fails)."""
+    spellings = engine_spellings()
+    assert {"fsdp2", "xla_v1", "xla_v2", "xla_fsdp_v1"} <= spellings
+    engines_dir = PACKAGE_DIR / "engines"
+    seen: set[tuple[str, str]] = set()
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        if path.is_relative_to(engines_dir):
+            continue
+        shown = str(path.relative_to(PACKAGE_DIR))
+        for spelling, line in spelled_engines(path, spellings):
+            if (shown, spelling) in SPELLED_ELSEWHERE:
+                seen.add((shown, spelling))
+            else:
+                found.append(f"{PACKAGE}/{shown}:{line}: {spelling!r}")
+    assert not found, "an engine is spelled outside engines/:\n  " + "\n  ".join(found)
+    assert not set(SPELLED_ELSEWHERE) - seen, f"unused allowances: {sorted(set(SPELLED_ELSEWHERE) - seen)}"
+    probe = tmp_path / "probe.py"  # the check finds what it is for
+    probe.write_text("if plugin.engine == 'fsdp2':\n    pass\nTITLES = {'XLA_V2': 'FSDP v2'}\nx = 'engine fsdp2'\n")
+    assert list(spelled_engines(probe, spellings)) == [("fsdp2", 1), ("xla_v2", 3)]
 
 
 # ---------------------------------------------------------------- the architecture page names every module

@@ -35,10 +35,10 @@ def test_dtype_strings(value, expected):
         (dict(flatten_parameters="maybe"), "flatten_parameters='maybe' must be a boolean"),
         (dict(min_num_params=-1), "min_num_params=-1 must be an integer >= 0"),
         (dict(min_num_params="lots"), "min_num_params='lots' must be an integer"),
-        (dict(version=2, shard_param_on_dim_0=True), "shard_param_on_dim_0 applies to version=1"),
+        (dict(version=2, shard_param_on_dim_0=True), "shard_param_on_dim_0 applies to engine=xla_v1"),
         # FSDP v1 never reads replica_size: silently ignoring it would run plain FSDP where hybrid sharding was asked
         (dict(engine="xla", version=1, replica_size=2),
-         "replica_size applies to version=2 or engine=fsdp2 only; remove it for version=1"),
+         "replica_size applies to engine=xla_v2 or engine=fsdp2 only; remove it for engine=xla_v1"),
         (dict(version=3), "version=3 is not valid; allowed values: 1"),
         (dict(checkpoint_format="zip"), "checkpoint_format='zip' is not valid"),
         (dict(checkpoint_storage="nfs"), "checkpoint_storage='nfs' is not valid; allowed values: 'auto', 'shared'"),
@@ -93,7 +93,7 @@ def test_fsdp_config_json_file_and_round_trip(tmp_path):
         ({"xla": True, "xla_fsdp_settings": {"bogus": 1}}, "unknown key xla_fsdp_settings.bogus"),
         ({"xla": False}, "set xla to true"),
         ({"xla_fsdp_v2": True, "xla_fsdp_settings": {"compute_dtype": "float16"}},
-         "compute_dtype=float16 is not available with version=2"),
+         "compute_dtype=float16 is not available with engine=xla_v2"),
         ({"xla_fsdp_settings": [1]}, "xla_fsdp_settings in fsdp_config must be a mapping"),
         ([1, 2], "must be a JSON object"),
     ],
@@ -270,16 +270,16 @@ def test_accelerate_fsdp2_yaml_selects_engine_fsdp2(tmp_path):
         p.check_launcher("XLA", str(path))
     # an XLA v2 config that also says fsdp_version: 2 stays XLA v2 (accepted before engine fsdp2 existed)
     v2 = XlaFsdpPlugin.from_fsdp_config({"xla": True, "xla_fsdp_v2": True, "fsdp_version": 2})
-    assert v2.engine == "xla" and v2.version == 2
+    assert v2.engine == "xla_v2" and v2.version == 2
 
 
 @pytest.mark.parametrize("cfg,needle", [
-    ({"engine": "fsdp2", "version": 2}, "version applies to engine=xla only; remove it for engine=fsdp2"),
-    ({"engine": "fsdp2", "flatten_parameters": True}, "flatten_parameters applies to version=1 only"),
+    ({"engine": "fsdp2", "version": 2}, "version applies to engine=xla_v1 or engine=xla_v2 only; remove it for engine=fsdp2"),
+    ({"engine": "fsdp2", "flatten_parameters": True}, "flatten_parameters applies to engine=xla_v1 only"),
     ({"engine": "fsdp2", "scan_layers": True}, "scan_layers=True is not available with engine=fsdp2"),
     ({"engine": "fsdp2", "compute_dtype": "float16"}, "compute_dtype=float16 is not available with engine=fsdp2"),
-    ({"engine": "fsdp2", "tensor_parallel_size": 2}, "tensor_parallel_size applies to version=2 only"),
-    ({"engine": "fsdp3"}, "engine='fsdp3' is not valid; allowed values: 'xla', 'fsdp2'"),
+    ({"engine": "fsdp2", "tensor_parallel_size": 2}, "tensor_parallel_size applies to engine=xla_v2 only"),
+    ({"engine": "fsdp3"}, "engine='fsdp3' is not valid; allowed values: 'xla_v1' (FSDP v1"),
     ({"engine": "fsdp2", "xla": True}, "xla=True and engine=fsdp2 in fsdp_config disagree"),
 ])
 def test_engine_fsdp2_refuses_what_it_cannot_honour_in_one_line(cfg, needle):
@@ -295,6 +295,6 @@ def test_engine_selection_and_its_spellings():
                                         "xla_fsdp_grad_ckpt": False, "min_num_params": 0})
     assert p.engine == "fsdp2" and XlaFsdpPlugin.from_dict(p.to_dict()) == p
     # unset, settings only XLA FSDP honours pick it whatever is installed; the rest take the installed runtime's
-    assert XlaFsdpPlugin(version=2).engine == "xla" and XlaFsdpPlugin(flatten_parameters=True).engine == "xla"
-    from hf_xla_fsdp.plugin import default_engine
-    assert XlaFsdpPlugin().engine == default_engine()
+    assert XlaFsdpPlugin(version=2).engine == "xla_v2" and XlaFsdpPlugin(flatten_parameters=True).engine == "xla_v1"
+    from hf_xla_fsdp.config.engines import default_engine
+    assert XlaFsdpPlugin().engine == default_engine().key

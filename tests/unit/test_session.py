@@ -11,7 +11,6 @@ from helpers import tiny_llama
 from hf_xla_fsdp import ConfigError, XlaFsdpPlugin, upstream
 from hf_xla_fsdp.checkpoint.codec import codec_of
 from hf_xla_fsdp.engines import ENGINES, fsdp_units
-from hf_xla_fsdp.plugin import ENGINE_NAMES, ENGINE_TITLES
 
 
 def _count_engine_lookups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -46,13 +45,15 @@ def test_one_wrap_resolves_the_engine_once_and_tags_every_unit(monkeypatch):
     model = XlaFsdpPlugin(activation_checkpointing=True).wrap(build_eager(tiny_llama(num_hidden_layers=4)))
     assert calls == [1]
     units = [unit for _, unit in fsdp_units(model)]
-    assert len(units) == 5 and all(codec_of(unit) is ENGINES[1] for unit in units)
+    assert len(units) == 5 and all(codec_of(unit) is ENGINES["xla_v1"] for unit in units)
 
 
 def test_plugin_versions_are_the_engines():
-    assert {v: e.title for v, e in ENGINES.items()} == ENGINE_TITLES
-    assert {v: e.name for v, e in ENGINES.items()} == ENGINE_NAMES  # what export's model cards look titles up by
-    with pytest.raises(ConfigError, match="version=3 is not valid; allowed values: 1 = FSDP v1"):
+    """The older ``version`` spelling selects the engine declaring that version; an unknown one is refused with the
+    versions the engines declare."""
+    assert {XlaFsdpPlugin(version=e.version).engine for e in ENGINES.values() if e.version} == {
+        k for k, e in ENGINES.items() if e.version}
+    with pytest.raises(ConfigError, match=r"version=3 is not valid; allowed values: 1 \(engine=xla_v1, FSDP v1"):
         XlaFsdpPlugin(version=3)
 
 

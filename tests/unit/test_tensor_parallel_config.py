@@ -32,7 +32,7 @@ def test_setting_arrives_from_every_source(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(version=1, tensor_parallel_size=2), "tensor_parallel_size applies to version=2 only; remove it for version=1"),
+    (dict(version=1, tensor_parallel_size=2), "tensor_parallel_size applies to engine=xla_v2 only; remove it for engine=xla_v1"),
     (dict(version=2, tensor_parallel_size=0), "tensor_parallel_size=0 must be an integer >= 1"),
     (dict(version=2, tensor_parallel_plan={"q_proj.weight": ["tensor", "model"]}), "names mesh axis 'model'; allowed"),
     (dict(version=2, tensor_parallel_plan={"re:q_proj[": [None]}), "is not a valid regex"),
@@ -107,7 +107,7 @@ def test_planner_proposes_the_smallest_tensor_size_that_fits():
 @pytest.mark.parametrize("args,message", [
     (["--fsdp-version", "2", "--tensor-parallel-size", "3"], "tensor_parallel_size=3 = 3 does not divide the 256 chips"),
     (["--fsdp-version", "2", "--tensor-parallel-size", "16"], "does not divide num_key_value_heads=8"),
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size applies to version=2 only"),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size applies to engine=xla_v2 only"),
 ])
 @pytest.mark.xla
 def test_planner_bad_input_exits_2_with_one_line(capsys, args, message):
@@ -122,7 +122,7 @@ def test_auto_takes_the_planners_choice():
     assert plugin.tensor_parallel_size == "auto"
     assert XlaFsdpPlugin.from_fsdp_config({"xla": True, "xla_fsdp_v2": True,
                                            "tensor_parallel_size": "AUTO"}).tensor_parallel_size == "auto"
-    with pytest.raises(ConfigError, match="tensor_parallel_size applies to version=2 only"):
+    with pytest.raises(ConfigError, match="tensor_parallel_size applies to engine=xla_v2 only"):
         XlaFsdpPlugin(version=1, tensor_parallel_size="auto")
     with pytest.raises(ConfigError, match=r"tensor_parallel_size='two' must be an integer >= 1"):
         XlaFsdpPlugin(version=2, tensor_parallel_size="two")
